@@ -1,0 +1,24 @@
+"""funcreplay: a functional replay table for JAX with Reverb-like semantics.
+
+The buffer is a value (``TableState``, a pytree of preallocated arrays)
+transformed by pure, jit-compatible functions built by ``make_table(spec)``.
+"""
+
+from funcreplay import counters
+from funcreplay.functional import FunctionalTable, make_table
+from funcreplay.ops import Stats
+from funcreplay.rate_limiters import MinSize, Queue, RateLimiter, SampleToInsertRatio, Stack
+from funcreplay.sampling import importance_weights
+from funcreplay.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform
+from funcreplay.signature import Signature, check_items
+from funcreplay.spec import TableSpec, queue, stack
+from funcreplay.state import Sample, SampleInfo, TableState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FunctionalTable", "make_table", "Stats", "MinSize", "Queue", "RateLimiter",
+    "SampleToInsertRatio", "Stack", "importance_weights", "Fifo", "Lifo", "MaxHeap",
+    "MinHeap", "Prioritized", "Uniform", "Signature", "check_items", "TableSpec", "queue",
+    "stack", "Sample", "SampleInfo", "TableState", "counters",
+]

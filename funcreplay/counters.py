@@ -1,0 +1,64 @@
+"""Two-word unsigned counters that stay exact past 2**32 operations.
+
+JAX runs with 32-bit integers unless ``jax_enable_x64`` is set, and long RL
+runs perform billions of inserts and samples. A counter is therefore a
+``uint32[2]`` array ``[hi, lo]`` holding ``hi * 2**32 + lo``: it wraps only
+after 2**64 operations. All functions are pure and jit-friendly.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+_U32 = jnp.uint32
+
+
+def zero() -> jnp.ndarray:
+  """A counter holding 0: ``uint32[2]``."""
+  return jnp.zeros((2,), _U32)
+
+
+def from_int(value: int) -> jnp.ndarray:
+  """A counter holding the Python int ``value`` (0 <= value < 2**64)."""
+  if not 0 <= value < 2**64:
+    raise ValueError(f"counter value must be in [0, 2**64), got {value}")
+  return jnp.asarray([value >> 32, value & 0xFFFFFFFF], _U32)
+
+
+def to_int(counter) -> int:
+  """Exact Python int of a counter (host side)."""
+  hi, lo = np.asarray(counter, dtype=np.uint64)
+  return int(hi) * 2**32 + int(lo)
+
+
+def to_float(counter) -> jnp.ndarray:
+  """float32 approximation of a counter, for ratios inside jit."""
+  c = counter.astype(jnp.float32)
+  return c[0] * jnp.float32(2.0**32) + c[1]
+
+
+def add(counter, n) -> jnp.ndarray:
+  """``counter + n`` for a scalar ``n`` in [0, 2**32), with carry."""
+  n = jnp.asarray(n).astype(_U32)
+  lo = counter[1] + n  # wraps modulo 2**32
+  carry = (lo < counter[1]).astype(_U32)
+  return jnp.stack([counter[0] + carry, lo])
+
+
+def add_sum(counter, values, where=None) -> jnp.ndarray:
+  """``counter + sum(values[where])`` exactly, for up to 65,536 values.
+
+  ``values`` are non-negative int32/uint32. Each value is split into 16-bit
+  halves so the partial sums cannot overflow uint32 for batches of at most
+  2**16 elements.
+  """
+  v = jnp.asarray(values).astype(_U32)
+  if where is not None:
+    v = jnp.where(where, v, _U32(0))
+  lo16 = jnp.sum(v & _U32(0xFFFF), dtype=_U32)
+  hi16 = jnp.sum(v >> _U32(16), dtype=_U32)
+  counter = add(counter, lo16)
+  # hi16 * 2**16 = (hi16 >> 16) * 2**32 + ((hi16 & 0xFFFF) << 16)
+  counter = add(counter, (hi16 & _U32(0xFFFF)) << _U32(16))
+  return counter.at[0].add(hi16 >> _U32(16))

@@ -1,0 +1,61 @@
+"""``make_table(spec)``: the table as a NamedTuple of pure functions (optax style)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+from funcreplay import ops, sampling, state as state_lib
+from funcreplay.spec import TableSpec
+
+
+class FunctionalTable(NamedTuple):
+  """Pure functions over a ``TableState``, with the static ``spec`` closed over.
+
+  Wrap them in ``jax.jit`` (``batch_size`` and ``replace`` of ``sample`` are
+  static) or call them inside your own jitted / scanned training step.
+  """
+
+  spec: TableSpec
+  init: Callable[[], state_lib.TableState]
+  insert: Callable[..., state_lib.TableState]
+  sample: Callable[..., Any]
+  delete: Callable[..., state_lib.TableState]
+  update_priorities: Callable[..., state_lib.TableState]
+  set_metadata: Callable[..., state_lib.TableState]
+  evict_stale: Callable[..., state_lib.TableState]
+  count: Callable[..., Any]
+  eligible: Callable[..., Any]
+  can_insert: Callable[..., Any]
+  can_sample: Callable[..., Any]
+  stats: Callable[..., ops.Stats]
+
+
+def make_table(spec: TableSpec) -> FunctionalTable:
+  """Build the pure functions of a table described by ``spec``.
+
+  Example::
+
+    table = fr.make_table(spec)
+    state = table.init()
+    state = table.insert(state, items, version=v)
+    state, batch = table.sample(state, rng, batch_size=256, version=v)
+  """
+  if not isinstance(spec, TableSpec):
+    raise TypeError(f"make_table expects a TableSpec, got {type(spec).__name__}.")
+  p = functools.partial
+  return FunctionalTable(
+      spec=spec,
+      init=p(state_lib.init_state, spec),
+      insert=p(ops.insert, spec),
+      sample=p(sampling.sample, spec),
+      delete=p(ops.delete, spec),
+      update_priorities=p(ops.update_priorities, spec),
+      set_metadata=p(ops.set_metadata, spec),
+      evict_stale=p(ops.evict_stale, spec),
+      count=p(ops.count, spec),
+      eligible=p(ops.eligible_mask, spec),
+      can_insert=p(ops.can_insert, spec),
+      can_sample=p(ops.can_sample, spec),
+      stats=p(ops.stats, spec),
+  )

@@ -1,0 +1,73 @@
+"""Keeping the device trees in step with the slot columns.
+
+The slot columns (``occupied``, ``priority``, ``key``...) are the truth; the
+trees are indexes over them. Every mutation calls ``refresh`` with the slots
+it touched (O(K log C)), or ``rebuild`` after an O(C) sweep such as
+``evict_stale``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from funcreplay import ordering, trees
+from funcreplay.spec import TableSpec
+from funcreplay.state import TableState
+
+
+def sample_weight(spec: TableSpec, occupied, priority):
+  """Sampling weight of a slot for the prioritized sampler: ``p**alpha`` (0 if free)."""
+  alpha = spec.sampler.priority_exponent
+  w = jnp.where(priority > 0, jnp.power(jnp.maximum(priority, 1e-30), alpha), 0.0)
+  return jnp.where(occupied, w, 0.0).astype(jnp.float32)
+
+
+def _padded(x, p, fill):
+  return jnp.concatenate([x, jnp.full((p - x.shape[0],), fill, x.dtype)])
+
+
+ALL_TREES = ("occ_tree", "weight_tree", "remover_tree")
+
+
+def refresh(spec: TableSpec, state: TableState, slots, valid=None,
+            which=ALL_TREES) -> TableState:
+  """Re-derive the leaves at ``slots`` (int32[K]) of the ``which`` trees from the columns."""
+  if valid is None:
+    valid = jnp.ones(slots.shape, bool)
+  safe = jnp.where(valid, slots, 0)
+  occ = state.occupied[safe]
+  occ_tree = state.occ_tree
+  if "occ_tree" in which:
+    occ_tree = trees.refresh_sum(occ_tree, safe, occ.astype(jnp.int32), valid)
+  weight_tree = state.weight_tree
+  if spec.prioritized and "weight_tree" in which:
+    w = sample_weight(spec, occ, state.priority[safe])
+    weight_tree = trees.refresh_sum(weight_tree, safe, w, valid)
+  remover_tree = state.remover_tree
+  if spec.needs_remover_tree and "remover_tree" in which:
+    better = ordering.better_fn(spec.remover, state)
+    remover_tree = trees.refresh_best(remover_tree, safe, occ, better, valid)
+  return state.replace(occ_tree=occ_tree, weight_tree=weight_tree, remover_tree=remover_tree)
+
+
+def rebuild(spec: TableSpec, state: TableState) -> TableState:
+  """Rebuild every tree from the columns. O(C)."""
+  p = spec.tree_size
+  occ = _padded(state.occupied, p, False)
+  state = state.replace(occ_tree=trees.build_sum(occ.astype(jnp.int32)))
+  if spec.prioritized:
+    w = sample_weight(spec, state.occupied, state.priority)
+    state = state.replace(weight_tree=trees.build_sum(_padded(w, p, 0.0)))
+  if spec.needs_remover_tree:
+    better = ordering.better_fn(spec.remover, _PaddedView(state, p))
+    state = state.replace(remover_tree=trees.build_best(occ, better))
+  return state
+
+
+class _PaddedView:
+  """Columns padded to the tree size, so comparators can index padding leaves."""
+
+  def __init__(self, state, p):
+    self.next_key = state.next_key
+    self.key = _padded(state.key, p, 0)
+    self.priority = _padded(state.priority, p, 0.0)

@@ -1,0 +1,258 @@
+"""``sample``: draw a batch, bump reuse counters, free exhausted items.
+
+Weighted selectors (Uniform, Prioritized) draw from a device tree:
+
+1. Draw ``M`` candidates i.i.d. from the tree (O(M log C)).
+2. Keep, in draw order, the first occurrence of each eligible candidate.
+   Candidates found ineligible (stale, outside ``where``) and accepted ones
+   are zeroed in the tree *for the rest of this call*.
+3. Repeat until ``B`` are accepted or the tree is empty (a few rounds).
+
+Step 2 is exactly *successive sampling* (sampling without replacement
+proportionally to weight): i.i.d. draws with repeats discarded are draws from
+the renormalised remaining distribution, and zeroing known-ineligible items
+does not change the distribution over eligible ones. If the rounds run out
+(heavy masks), an O(C) Gumbel-top-k over the remaining eligible weights
+finishes the batch; it is the same distribution, only slower.
+
+Deterministic selectors (Fifo, Lifo, MinHeap, MaxHeap) sort the eligible
+items by their order: O(C log C), meant for queue/stack-sized tables.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from funcreplay import counters as ctr
+from funcreplay import indexes, ops, ordering, trees
+from funcreplay import rate_limiters as rl
+from funcreplay import selectors as sel
+from funcreplay.spec import TableSpec
+from funcreplay.state import Sample, SampleInfo, TableState
+
+ROUNDS = 4
+
+
+def _first_occurrence(d):
+  """bool[M]: True at the first occurrence (in order) of each value of ``d``."""
+  m = d.shape[0]
+  pos = jnp.arange(m, dtype=jnp.int32)
+  s_d, s_pos = lax.sort((d, pos), num_keys=2)
+  first_sorted = jnp.concatenate([jnp.ones((1,), bool), s_d[1:] != s_d[:-1]])
+  return jnp.zeros((m,), bool).at[s_pos].set(first_sorted)
+
+
+class _Weights:
+  """Uniform (occupancy counts) or prioritized (p**alpha) weight tree."""
+
+  def __init__(self, spec: TableSpec, state: TableState):
+    self.spec = spec
+    self.prioritized = spec.prioritized
+    self.tree = state.weight_tree if self.prioritized else state.occ_tree
+
+  def total(self, tree):
+    return tree[1]
+
+  def draw(self, tree, u):
+    if self.prioritized:
+      return trees.descend_weight(tree, u * tree[1])
+    tot = tree[1]
+    k = jnp.minimum((u * tot.astype(jnp.float32)).astype(jnp.int32), tot - 1)
+    return trees.descend_count(tree, jnp.maximum(k, 0), free=False)
+
+  def zero(self, tree, slots, valid):
+    return trees.refresh_sum(tree, slots, jnp.zeros(slots.shape, tree.dtype), valid)
+
+  def leaves(self, tree):
+    p = tree.shape[0] // 2
+    return tree[p:p + self.spec.capacity].astype(jnp.float32)
+
+
+def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_all):
+  """Draw ``B`` slots from the weight tree.
+
+  Returns:
+    ``(picked int32[B], tree, touched int32[K])``: slots in draw order (-1
+    where fewer eligible items exist), the weight tree with the touched
+    leaves still zeroed, and the touched slots (-1 padded) that the caller
+    must refresh from the columns. The tree is threaded through (not copied)
+    so XLA can update it in place.
+  """
+  w = _Weights(spec, state)
+  b = batch_size
+  m = b + max(8, b // 2)
+
+  def cond(c):
+    tree, picked, n, rnd, _, _ = c
+    return (n < b) & (w.total(tree) > 0) & (rnd < ROUNDS)
+
+  def body(c):
+    tree, picked, n, rnd, key, touched = c
+    key, sub = jax.random.split(key)
+    d = w.draw(tree, jax.random.uniform(sub, (m,)))
+    ok = eligible_fn(d)
+    first = _first_occurrence(d)
+    acc = ok if replace else ok & first
+    rank = jnp.cumsum(acc.astype(jnp.int32)) - 1
+    take = acc & (rank < b - n)
+    picked = picked.at[jnp.where(take, n + rank, b)].set(d, mode="drop")
+    remove = (~ok & first) if replace else ((take | ~ok) & first)
+    tree = w.zero(tree, d, remove)
+    touched = lax.dynamic_update_slice(touched, jnp.where(remove, d, -1), (rnd * m,))
+    return tree, picked, n + jnp.sum(take, dtype=jnp.int32), rnd + 1, key, touched
+
+  rng, fallback_key = jax.random.split(rng)
+  init = (w.tree, jnp.full((b,), -1, jnp.int32), jnp.int32(0), jnp.int32(0), rng,
+          jnp.full((ROUNDS * m,), -1, jnp.int32))
+  tree, picked, n, _, _, touched = lax.while_loop(cond, body, init)
+
+  def fallback(picked):
+    # O(C): Gumbel-top-k over the weights still in the tree, eligible only.
+    weights = w.leaves(tree)
+    ok = eligible_all() & (weights > 0)
+    logits = jnp.where(ok, jnp.log(jnp.where(ok, weights, 1.0)), -jnp.inf)
+    pos = jnp.arange(b) - n
+    if replace:
+      draws = jax.random.categorical(fallback_key, logits, shape=(b,)).astype(jnp.int32)
+      extra = jnp.where(jnp.any(ok), draws[jnp.clip(pos, 0, b - 1)], -1)
+    else:
+      k = min(b, spec.capacity)
+      top_vals, top_slots = lax.top_k(logits + jax.random.gumbel(fallback_key, logits.shape), k)
+      top_slots = jnp.where(jnp.isfinite(top_vals), top_slots, -1)
+      top_slots = jnp.concatenate([top_slots, jnp.full((b - k,), -1, jnp.int32)])
+      extra = top_slots[jnp.clip(pos, 0, b - 1)]
+    return jnp.where(pos < 0, picked, extra)
+
+  need_more = (n < b) & (w.total(tree) > 0)
+  picked = lax.cond(need_more, fallback, lambda p: p, picked)
+  return picked, tree, touched
+
+
+def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=None,
+           where=None, replace: bool = False):
+  """Sample ``batch_size`` items.
+
+  Args:
+    rng: a PRNG key.
+    batch_size: static ``B``.
+    version: current policy version (int32 scalar). With
+      ``spec.max_staleness`` set, items with ``version - item_version >
+      max_staleness`` are not eligible. None disables the staleness mask.
+    where: optional bool ``[C]`` mask over slots (e.g. ``state.metadata["task"] == 3``).
+    replace: sample with replacement (default: a batch never repeats a slot).
+      With replacement an item may appear more often in one batch than its
+      remaining ``max_times_sampled`` allowance; it is freed after the batch.
+
+  Returns:
+    ``(state, Sample)``. The state has ``times_sampled`` incremented for every
+    returned row, items that reached ``max_times_sampled`` freed, and the
+    ``samples`` counter advanced by the number of valid rows. When fewer than
+    ``B`` items are eligible the remaining rows have ``valid=False``, slot -1
+    and zero data.
+  """
+  b = batch_size
+  if not isinstance(b, int) or b < 1:
+    raise ValueError(f"sample: batch_size must be a static int >= 1, got {b!r}.")
+  if not replace and b > spec.capacity:
+    raise ValueError(f"sample: batch_size {b} exceeds capacity {spec.capacity}; without "
+                     "replacement a batch cannot hold more items than the table.")
+  if replace and sel.is_ordered(spec.sampler):
+    raise ValueError(f"sample: replace=True is not supported by the deterministic "
+                     f"{type(spec.sampler).__name__} sampler.")
+  masked = ops.masks_active(spec, version, where)
+  ver = None if version is None else jnp.asarray(version, jnp.int32)
+
+  def eligible_all():
+    return ops.eligible_mask(spec, state, ver, where)
+
+  def eligible_fn(slots):
+    ok = state.occupied[slots]
+    if ver is not None and spec.max_staleness is not None:
+      ok = ok & (ver - state.version[slots] <= spec.max_staleness)
+    if where is not None:
+      ok = ok & eligible_where[slots]
+    return ok
+
+  eligible_where = None if where is None else ops.eligible_mask(spec, state, None, where)
+
+  if sel.is_ordered(spec.sampler):
+    order, ok = ordering.sorted_eligible(spec.sampler, state, eligible_all())
+    picked = jnp.where(ok[:b], order[:b], -1)
+    num_eligible = jnp.sum(ok, dtype=jnp.int32)
+    prob = jnp.ones((b,), jnp.float32)
+  else:
+    # Totals are read before the draw, which updates the tree in place.
+    size0 = state.size
+    if spec.prioritized:
+      unmasked_total = state.weight_tree[1]
+    picked, tree, touched = _draw_weighted(spec, state, rng, b, replace, eligible_fn,
+                                           eligible_all)
+    safe = jnp.maximum(picked, 0)
+    if spec.prioritized:
+      w_item = indexes.sample_weight(spec, state.occupied[safe], state.priority[safe])
+      if masked:
+        mask = eligible_all()
+        total = jnp.sum(jnp.where(mask, indexes.sample_weight(spec, state.occupied,
+                                                              state.priority), 0.0))
+        num_eligible = jnp.sum(mask, dtype=jnp.int32)
+      else:
+        total, num_eligible = unmasked_total, state.size
+      prob = w_item / jnp.maximum(total, 1e-30)
+    else:
+      num_eligible = ops.count(spec, state, where, ver) if masked else size0
+      prob = jnp.full((b,), 1.0, jnp.float32) / jnp.maximum(num_eligible, 1).astype(jnp.float32)
+    tree_field = "weight_tree" if spec.prioritized else "occ_tree"
+    state = state.replace(**{tree_field: tree})
+    state, out = _finish(spec, state, picked, prob, num_eligible, ver)
+    # Put the temporarily zeroed leaves back, from the (updated) columns.
+    state = indexes.refresh(spec, state, jnp.maximum(touched, 0), touched >= 0,
+                            which=(tree_field,))
+    return state, out
+  return _finish(spec, state, picked, prob, num_eligible, ver)
+
+
+def _finish(spec, state, picked, prob, num_eligible, ver):
+  valid = picked >= 0
+  safe = jnp.maximum(picked, 0)
+  cap = spec.capacity
+
+  def rows(x):
+    v = valid.reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(v, x[safe], jnp.zeros((), x.dtype))
+
+  data = jax.tree_util.tree_map(rows, state.data)
+  times = state.times_sampled.at[jnp.where(valid, safe, cap)].add(1, mode="drop")
+  state = state.replace(times_sampled=times)
+  n_valid = jnp.sum(valid, dtype=jnp.int32)
+  c = dict(state.counters)
+  c["samples"] = ctr.add(c["samples"], n_valid)
+  if ver is not None:
+    staleness = jnp.maximum(ver - state.version[safe], 0)
+    c["sampled_staleness_sum"] = ctr.add_sum(c["sampled_staleness_sum"], staleness, valid)
+  state = state.replace(counters=c, limiter_diff=rl.update_diff(
+      spec.rate_limiter, state.limiter_diff, sampled=n_valid))
+  info = SampleInfo(
+      slot=jnp.where(valid, safe, -1),
+      key=jnp.where(valid, state.key[safe], jnp.uint32(0)),
+      probability=jnp.where(valid, prob, 0.0),
+      priority=jnp.where(valid, state.priority[safe], 0.0),
+      times_sampled=jnp.where(valid, times[safe], 0),
+      version=jnp.where(valid, state.version[safe], 0))
+  if spec.max_times_sampled > 0:
+    exhausted = valid & (times[safe] >= spec.max_times_sampled)
+    # With replacement a slot can appear twice: count it once.
+    exhausted = ops.last_occurrence(safe, exhausted)
+    state = ops._remove(state, safe, exhausted, "evicted_reuse")  # noqa: SLF001
+    state = indexes.refresh(spec, state, safe, exhausted)
+  return state, Sample(data=data, valid=valid, info=info, num_eligible=num_eligible)
+
+
+def importance_weights(sample: Sample, beta: float):
+  """PER importance weights ``(N * P(i))**-beta / max`` over valid rows (0 elsewhere)."""
+  n = jnp.maximum(sample.num_eligible, 1).astype(jnp.float32)
+  p = jnp.where(sample.valid, sample.info.probability, 1.0)
+  w = jnp.power(n * jnp.maximum(p, 1e-30), -beta)
+  w = jnp.where(sample.valid, w, 0.0)
+  return w / jnp.maximum(jnp.max(w), 1e-30)

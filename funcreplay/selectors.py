@@ -1,0 +1,78 @@
+"""Selectors: how items are sampled and which item is removed when full.
+
+The vocabulary is Reverb's. A selector is a small frozen (hashable) dataclass
+holding static configuration only; the device-side machinery lives in
+``funcreplay.trees`` and ``funcreplay.sampling``.
+
+=============  ==========================================  =======================
+selector       as a sampler                                as a remover
+=============  ==========================================  =======================
+Uniform        uniform over eligible items                 a uniformly random item
+Prioritized    P(i) = p_i**alpha / sum_j p_j**alpha        (not supported)
+Fifo           oldest eligible items first                 ring: oldest-written slot
+Lifo           newest eligible items first                 the newest item
+MinHeap        lowest priority first (ties: oldest first)  lowest priority
+MaxHeap        highest priority first (ties: oldest first) highest priority
+=============  ==========================================  =======================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Union
+
+
+@dataclasses.dataclass(frozen=True)
+class Uniform:
+  """Every eligible item is equally likely."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prioritized:
+  """Proportional prioritized sampling (Schaul et al., 2016).
+
+  Attributes:
+    priority_exponent: alpha in ``P(i) = p_i**alpha / sum_j p_j**alpha``.
+      0 gives uniform sampling over items with positive priority.
+  """
+
+  priority_exponent: float = 0.6
+
+  def __post_init__(self):
+    a = self.priority_exponent
+    if not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0:
+      raise ValueError(
+          f"Prioritized(priority_exponent={a!r}): the exponent must be a "
+          "finite number >= 0 (0.6 is the usual choice).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fifo:
+  """First in, first out (by insertion order)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Lifo:
+  """Last in, first out (by insertion order)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MinHeap:
+  """Lowest priority first; ties broken by insertion order (oldest first)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxHeap:
+  """Highest priority first; ties broken by insertion order (oldest first)."""
+
+
+Selector = Union[Uniform, Prioritized, Fifo, Lifo, MinHeap, MaxHeap]
+SAMPLERS = (Uniform, Prioritized, Fifo, Lifo, MinHeap, MaxHeap)
+REMOVERS = (Uniform, Fifo, Lifo, MinHeap, MaxHeap)
+ORDERED = (Fifo, Lifo, MinHeap, MaxHeap)
+
+
+def is_ordered(selector) -> bool:
+  """True for the deterministic selectors (Fifo, Lifo, MinHeap, MaxHeap)."""
+  return isinstance(selector, ORDERED)

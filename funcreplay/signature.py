@@ -1,0 +1,192 @@
+"""Item signatures and host-boundary validation of items.
+
+A signature is the pytree structure plus one ``jax.ShapeDtypeStruct`` per
+leaf, *without* the batch axis. It is hashable so it can live in the static
+``TableSpec``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _leaf_names(tree) -> Tuple[str, ...]:
+  paths, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return tuple(jax.tree_util.keystr(p) or "<root>" for p, _ in paths)
+
+
+class Signature:
+  """Hashable description of one item: pytree structure + leaf shapes/dtypes."""
+
+  __slots__ = ("treedef", "leaves", "names")
+
+  def __init__(self, tree: Any):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves:
+      raise ValueError("signature: the item pytree has no array leaves.")
+    names = _leaf_names(tree)
+    specs = []
+    for name, leaf in zip(names, leaves):
+      if isinstance(leaf, jax.ShapeDtypeStruct):
+        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+      elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
+      else:
+        raise TypeError(
+            f"signature leaf {name}: expected an array or jax.ShapeDtypeStruct, "
+            f"got {type(leaf).__name__}. Wrap Python scalars with np.asarray(x, dtype).")
+      if dtype != jax.dtypes.canonicalize_dtype(dtype):
+        raise TypeError(
+            f"signature leaf {name}: dtype {dtype} is not supported while "
+            f"jax_enable_x64 is off (it would silently become "
+            f"{jax.dtypes.canonicalize_dtype(dtype)}); cast it explicitly.")
+      specs.append(jax.ShapeDtypeStruct(shape, dtype))
+    object.__setattr__(self, "treedef", treedef)
+    object.__setattr__(self, "leaves", tuple(specs))
+    object.__setattr__(self, "names", names)
+
+  def __setattr__(self, *_):
+    raise AttributeError("Signature is immutable")
+
+  @property
+  def tree(self):
+    """The signature as a pytree of ``jax.ShapeDtypeStruct``."""
+    return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
+
+  @property
+  def item_bytes(self) -> int:
+    return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in self.leaves)
+
+  def _key(self):
+    return (self.treedef, tuple((s.shape, np.dtype(s.dtype).str) for s in self.leaves))
+
+  def __eq__(self, other):
+    return isinstance(other, Signature) and self._key() == other._key()
+
+  def __hash__(self):
+    return hash(self._key())
+
+  def __repr__(self):
+    parts = ", ".join(f"{n}: {np.dtype(s.dtype).name}{list(s.shape)}"
+                      for n, s in zip(self.names, self.leaves))
+    return f"Signature({parts})"
+
+  def to_json(self):
+    """JSON-able description (structure as a pytree of leaf indices)."""
+    index_tree = jax.tree_util.tree_unflatten(self.treedef, list(range(len(self.leaves))))
+    return {"structure": _to_jsonable(index_tree),
+            "leaves": [{"name": n, "shape": list(s.shape), "dtype": np.dtype(s.dtype).name}
+                       for n, s in zip(self.names, self.leaves)]}
+
+  @classmethod
+  def from_json(cls, obj) -> "Signature":
+    specs = [jax.ShapeDtypeStruct(tuple(d["shape"]), np.dtype(d["dtype"])) for d in obj["leaves"]]
+    tree = _from_jsonable(obj["structure"], specs)
+    return cls(tree)
+
+
+def _to_jsonable(tree):
+  if isinstance(tree, dict):
+    return {"__dict__": {str(k): _to_jsonable(v) for k, v in tree.items()}}
+  if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+    return {"__list__" if isinstance(tree, list) else "__tuple__": [_to_jsonable(v) for v in tree]}
+  if isinstance(tree, int):
+    return tree
+  raise TypeError(
+      f"signature structure {type(tree).__name__} cannot be written as JSON; "
+      "use dicts, lists and tuples for checkpointable signatures.")
+
+
+def _from_jsonable(obj, specs):
+  if isinstance(obj, int):
+    return specs[obj]
+  if "__dict__" in obj:
+    return {k: _from_jsonable(v, specs) for k, v in obj["__dict__"].items()}
+  if "__list__" in obj:
+    return [_from_jsonable(v, specs) for v in obj["__list__"]]
+  return tuple(_from_jsonable(v, specs) for v in obj["__tuple__"])
+
+
+def as_signature(sig_or_example) -> Signature:
+  """A ``Signature`` from a Signature, a pytree of ShapeDtypeStruct or an example item."""
+  if isinstance(sig_or_example, Signature):
+    return sig_or_example
+  return Signature(sig_or_example)
+
+
+def check_items(signature: Signature, items: Any, *, batched: bool = True,
+                batch_size: Optional[int] = None) -> Tuple[Any, int]:
+  """Validate ``items`` against ``signature`` at the host boundary.
+
+  Args:
+    signature: the table's signature.
+    items: a pytree with the signature's structure; with ``batched=True`` each
+      leaf has a leading batch axis ``[B, *leaf_shape]``.
+    batched: whether ``items`` carries a leading batch axis.
+    batch_size: if given, the required ``B``.
+
+  Returns:
+    ``(leaves, B)``: the flat list of leaves as numpy/JAX arrays (Python
+    scalars converted to the leaf dtype) and the batch size (1 if unbatched).
+
+  Raises:
+    ValueError / TypeError naming the leaf, the expected and the got
+    structure, shape or dtype.
+  """
+  try:
+    leaves = signature.treedef.flatten_up_to(items)
+  except (ValueError, TypeError) as e:
+    got = jax.tree_util.tree_structure(items)
+    raise ValueError(
+        f"item structure does not match the table signature.\n  expected: "
+        f"{signature.treedef}\n  got:      {got}\n  ({e})") from None
+  out, sizes = [], []
+  for name, spec, leaf in zip(signature.names, signature.leaves, leaves):
+    if isinstance(leaf, (bool, int, float)) and not batched:
+      leaf = np.asarray(leaf, dtype=spec.dtype)
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+      leaf = np.asarray(leaf)
+      if leaf.dtype == object:
+        raise TypeError(f"item leaf {name}: cannot convert {type(leaf).__name__} to an array")
+    want_shape = tuple(spec.shape)
+    got_shape = tuple(leaf.shape)
+    if batched:
+      if len(got_shape) != len(want_shape) + 1 or got_shape[1:] != want_shape:
+        raise ValueError(
+            f"item leaf {name}: expected shape [B, {', '.join(map(str, want_shape))}]"
+            f" (B = batch), got {list(got_shape)}.")
+      sizes.append(got_shape[0])
+    elif got_shape != want_shape:
+      raise ValueError(f"item leaf {name}: expected shape {list(want_shape)}, got {list(got_shape)}.")
+    if np.dtype(leaf.dtype) != np.dtype(spec.dtype):
+      raise TypeError(
+          f"item leaf {name}: expected dtype {np.dtype(spec.dtype).name}, got "
+          f"{np.dtype(leaf.dtype).name}. Cast it (e.g. x.astype(np.{np.dtype(spec.dtype).name})).")
+    out.append(leaf)
+  if batched:
+    if len(set(sizes)) != 1:
+      detail = ", ".join(f"{n}: {s}" for n, s in zip(signature.names, sizes))
+      raise ValueError(f"item leaves disagree on the batch size: {detail}.")
+    b = sizes[0]
+    if batch_size is not None and b != batch_size:
+      raise ValueError(f"expected a batch of {batch_size} items, got {b}.")
+    return out, b
+  return out, 1
+
+
+def batch_axis_tree(signature: Signature, batch: int):
+  """ShapeDtypeStructs of a batch of ``batch`` items."""
+  return jax.tree_util.tree_unflatten(
+      signature.treedef,
+      [jax.ShapeDtypeStruct((batch, *s.shape), s.dtype) for s in signature.leaves])
+
+
+def zeros(signature: Signature, leading: Sequence[int]):
+  """A pytree of zeros shaped ``[*leading, *leaf_shape]``."""
+  return jax.tree_util.tree_unflatten(
+      signature.treedef,
+      [jnp.zeros((*leading, *s.shape), s.dtype) for s in signature.leaves])

@@ -1,0 +1,128 @@
+"""``TableSpec``: the static, hashable configuration of one table.
+
+Nothing in here lives in the state pytree: a spec is closed over by the pure
+functions that ``make_table`` builds (optax style), so changing it means
+building new functions, never silently re-interpreting a state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Tuple
+
+from funcreplay import rate_limiters as rl
+from funcreplay import selectors as sel
+from funcreplay.signature import Signature, as_signature
+
+_RESERVED_COLUMNS = ("key", "version", "times_sampled", "priority", "occupied", "slot")
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class TableSpec:
+  """Static description of a replay table.
+
+  Attributes:
+    capacity: number of slots ``C`` (1 <= C < 2**30).
+    signature: one item, as a ``Signature`` (built from a pytree of
+      ``jax.ShapeDtypeStruct`` or from an example item).
+    sampler: a selector from ``funcreplay.selectors`` (default ``Uniform()``).
+    remover: which item makes room when the table is full (default ``Fifo()``).
+    max_times_sampled: an item is removed after this many samples (0: never).
+    max_staleness: items with ``current_version - item_version >
+      max_staleness`` are not sampled (None: no staleness limit).
+    rate_limiter: a ``funcreplay.rate_limiters.RateLimiter`` (default
+      ``MinSize(1)``); pure predicates ``can_insert``/``can_sample`` use it and
+      the host ``Table`` blocks on it.
+    metadata: names of user int32 columns per slot (e.g. ``("task", "status")``).
+    default_priority: priority of items inserted without one; None means the
+      largest priority seen so far (1.0 on a fresh table), as in PER.
+  """
+
+  capacity: int
+  signature: Signature
+  sampler: Any
+  remover: Any
+  max_times_sampled: int
+  max_staleness: Optional[int]
+  rate_limiter: rl.RateLimiter
+  metadata: Tuple[str, ...]
+  default_priority: Optional[float]
+
+  def __init__(self, capacity: int, signature: Any, sampler: Any = None, remover: Any = None,
+               max_times_sampled: int = 0, max_staleness: Optional[int] = None,
+               rate_limiter: Optional[rl.RateLimiter] = None, metadata=(),
+               default_priority: Optional[float] = None):
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity < 2**30:
+      raise ValueError(f"TableSpec.capacity must be an int in [1, 2**30), got {capacity!r}.")
+    sampler = sel.Uniform() if sampler is None else sampler
+    remover = sel.Fifo() if remover is None else remover
+    if not isinstance(sampler, sel.SAMPLERS):
+      raise TypeError(
+          f"TableSpec.sampler must be one of {[c.__name__ for c in sel.SAMPLERS]} "
+          f"(an instance, e.g. fr.Uniform()), got {sampler!r}.")
+    if not isinstance(remover, sel.REMOVERS):
+      raise TypeError(
+          f"TableSpec.remover must be one of {[c.__name__ for c in sel.REMOVERS]} "
+          f"(an instance, e.g. fr.Fifo()), got {remover!r}.")
+    if isinstance(max_times_sampled, bool) or not isinstance(max_times_sampled, int) \
+        or max_times_sampled < 0:
+      raise ValueError(f"TableSpec.max_times_sampled must be an int >= 0 (0 = unlimited), "
+                       f"got {max_times_sampled!r}.")
+    if max_staleness is not None and (isinstance(max_staleness, bool)
+                                      or not isinstance(max_staleness, int) or max_staleness < 0):
+      raise ValueError(f"TableSpec.max_staleness must be None or an int >= 0, got {max_staleness!r}.")
+    rate_limiter = rl.MinSize(1) if rate_limiter is None else rate_limiter
+    if not isinstance(rate_limiter, rl.RateLimiter):
+      raise TypeError(f"TableSpec.rate_limiter must be a RateLimiter (e.g. fr.MinSize(1)), "
+                      f"got {rate_limiter!r}.")
+    if isinstance(metadata, str):
+      metadata = (metadata,)
+    metadata = tuple(metadata)
+    for name in metadata:
+      if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"TableSpec.metadata: column names must be identifiers, got {name!r}.")
+      if name in _RESERVED_COLUMNS:
+        raise ValueError(f"TableSpec.metadata: {name!r} is a built-in column; pick another name.")
+    if len(set(metadata)) != len(metadata):
+      raise ValueError(f"TableSpec.metadata has duplicate column names: {metadata}.")
+    if default_priority is not None and (not math.isfinite(default_priority) or default_priority < 0):
+      raise ValueError(f"TableSpec.default_priority must be None or finite >= 0, "
+                       f"got {default_priority!r}.")
+    sig = as_signature(signature)
+    for k, v in dict(capacity=capacity, signature=sig, sampler=sampler, remover=remover,
+                     max_times_sampled=max_times_sampled, max_staleness=max_staleness,
+                     rate_limiter=rate_limiter, metadata=metadata,
+                     default_priority=None if default_priority is None else float(default_priority),
+                     ).items():
+      object.__setattr__(self, k, v)
+
+  def replace(self, **changes) -> "TableSpec":
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    fields.update(changes)
+    return TableSpec(**fields)
+
+  @property
+  def tree_size(self) -> int:
+    """Number of leaves ``P`` of the device trees (next power of two >= capacity)."""
+    return 1 << max(0, (self.capacity - 1).bit_length())
+
+  @property
+  def needs_remover_tree(self) -> bool:
+    return isinstance(self.remover, (sel.Lifo, sel.MinHeap, sel.MaxHeap))
+
+  @property
+  def prioritized(self) -> bool:
+    return isinstance(self.sampler, sel.Prioritized)
+
+
+def queue(capacity: int, signature: Any, **kwargs) -> TableSpec:
+  """Reverb's ``Table.queue``: FIFO sampler/remover, each item sampled once."""
+  return TableSpec(capacity, signature, sampler=sel.Fifo(), remover=sel.Fifo(),
+                   max_times_sampled=1, rate_limiter=rl.Queue(capacity), **kwargs)
+
+
+def stack(capacity: int, signature: Any, **kwargs) -> TableSpec:
+  """Reverb's ``Table.stack``: LIFO sampler/remover, each item sampled once."""
+  return TableSpec(capacity, signature, sampler=sel.Lifo(), remover=sel.Lifo(),
+                   max_times_sampled=1, rate_limiter=rl.Stack(capacity), **kwargs)

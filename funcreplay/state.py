@@ -1,0 +1,155 @@
+"""``TableState`` (the buffer as a value) and the ``Sample`` it hands out.
+
+Both are frozen dataclasses registered as pytrees: they flow through
+``jax.jit``, ``lax.scan`` and ``vmap`` and can be donated. Static
+configuration is *not* stored here; it lives in the ``TableSpec``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+import jax
+import jax.numpy as jnp
+
+from funcreplay import counters as ctr
+from funcreplay import signature as sig_lib
+from funcreplay.spec import TableSpec
+
+COUNTERS = (
+    "inserts",            # items inserted (mask=True rows)
+    "samples",            # valid rows handed out by sample
+    "deletes",            # items removed by delete()
+    "evicted_capacity",   # items overwritten/removed by the remover
+    "evicted_stale",      # items removed by evict_stale()
+    "evicted_reuse",      # items removed on reaching max_times_sampled
+    "removed_reuse_sum",  # sum of times_sampled over every removed item
+    "sampled_staleness_sum",  # sum of (version - item version) over sampled rows
+    "invalid_priorities",  # negative / NaN / inf priorities clamped to 0
+)
+
+
+def _register(cls):
+  fields = [f.name for f in dataclasses.fields(cls)]
+  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+
+
+@_register
+@dataclasses.dataclass(frozen=True)
+class TableState:
+  """The whole table as a pytree of preallocated arrays (C = capacity, P = tree size).
+
+  Attributes:
+    data: the item pytree with a leading ``[C]`` axis on every leaf.
+    occupied: bool[C].
+    key: uint32[C], the item's unique id (its insertion index modulo 2**32).
+    version: int32[C], the policy version that produced the item.
+    times_sampled: int32[C].
+    priority: float32[C] (used by prioritized and heap selectors).
+    metadata: dict name -> int32[C] user columns.
+    occ_tree: int32[2P] occupancy count tree (size = ``occ_tree[1]``).
+    weight_tree: float32[2P] tree of ``priority**alpha`` (prioritized
+      sampler only; shape [0] otherwise).
+    remover_tree: int32[2P] arg-best tree of the next victim (Lifo / heap
+      removers only; shape [0] otherwise).
+    write_pos: int32[] ring position of the Fifo remover.
+    next_key: uint32[] key of the next inserted item.
+    max_priority: float32[] largest priority ever set (default priority).
+    limiter_diff: int32[] ``p * inserts - q * samples`` for the rate limiter.
+    counters: dict name -> uint32[2] two-word counters (see ``COUNTERS``).
+  """
+
+  data: Any
+  occupied: jnp.ndarray
+  key: jnp.ndarray
+  version: jnp.ndarray
+  times_sampled: jnp.ndarray
+  priority: jnp.ndarray
+  metadata: Dict[str, jnp.ndarray]
+  occ_tree: jnp.ndarray
+  weight_tree: jnp.ndarray
+  remover_tree: jnp.ndarray
+  write_pos: jnp.ndarray
+  next_key: jnp.ndarray
+  max_priority: jnp.ndarray
+  limiter_diff: jnp.ndarray
+  counters: Dict[str, jnp.ndarray]
+
+  def replace(self, **changes) -> "TableState":
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def size(self) -> jnp.ndarray:
+    """Number of occupied slots, int32[]."""
+    return self.occ_tree[1]
+
+
+@_register
+@dataclasses.dataclass(frozen=True)
+class SampleInfo:
+  """Per-row metadata of a sample (B = batch size). Invalid rows hold slot -1.
+
+  Attributes:
+    slot: int32[B] slot the row came from.
+    key: uint32[B] the item's key (pass it back to update_priorities/delete).
+    probability: float32[B] probability that a single draw from the eligible
+      items picks this item (Reverb's ``SampleInfo.probability``).
+    priority: float32[B] the item's priority when sampled.
+    times_sampled: int32[B] times sampled, this sample included.
+    version: int32[B] policy version that produced the item.
+  """
+
+  slot: jnp.ndarray
+  key: jnp.ndarray
+  probability: jnp.ndarray
+  priority: jnp.ndarray
+  times_sampled: jnp.ndarray
+  version: jnp.ndarray
+
+
+@_register
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """A batch from ``sample``.
+
+  Attributes:
+    data: item pytree with leading ``[B]`` axis; rows with ``valid=False``
+      are zeros and must be ignored.
+    valid: bool[B]; False where fewer than B eligible items existed.
+    info: ``SampleInfo``.
+    num_eligible: int32[] eligible items when sampled (N in importance weights).
+  """
+
+  data: Any
+  valid: jnp.ndarray
+  info: SampleInfo
+  num_eligible: jnp.ndarray
+
+
+def empty_counters() -> Dict[str, jnp.ndarray]:
+  return {name: ctr.zero() for name in COUNTERS}
+
+
+def init_state(spec: TableSpec) -> TableState:
+  """A fresh, empty ``TableState`` for ``spec`` (every buffer preallocated)."""
+  c, p = spec.capacity, spec.tree_size
+  state = TableState(
+      data=sig_lib.zeros(spec.signature, (c,)),
+      occupied=jnp.zeros((c,), bool),
+      key=jnp.zeros((c,), jnp.uint32),
+      version=jnp.zeros((c,), jnp.int32),
+      times_sampled=jnp.zeros((c,), jnp.int32),
+      priority=jnp.zeros((c,), jnp.float32),
+      metadata={name: jnp.zeros((c,), jnp.int32) for name in spec.metadata},
+      occ_tree=jnp.zeros((2 * p,), jnp.int32),
+      weight_tree=jnp.zeros((2 * p if spec.prioritized else 0,), jnp.float32),
+      remover_tree=jnp.full((2 * p if spec.needs_remover_tree else 0,), -1, jnp.int32),
+      write_pos=jnp.zeros((), jnp.int32),
+      next_key=jnp.zeros((), jnp.uint32),
+      max_priority=jnp.ones((), jnp.float32),
+      limiter_diff=jnp.zeros((), jnp.int32),
+      counters=empty_counters(),
+  )
+  return state
+

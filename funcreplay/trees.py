@@ -1,0 +1,159 @@
+"""Device-resident complete binary trees over the table's slots.
+
+All trees are flat arrays of length ``2P`` (``P`` = next power of two >=
+capacity): node 1 is the root, node ``n`` has children ``2n`` and ``2n+1``,
+and slot ``s`` is leaf ``P + s``. Index 0 is unused.
+
+* Sum trees (int32 counts or float32 weights) give O(log C) prefix-sum
+  descents: the k-th occupied or free slot, or a slot drawn proportionally to
+  its weight.
+* Arg-best trees hold, at every node, the slot of the best leaf below it
+  under a comparator (oldest key, lowest priority, ...), or -1. The root is
+  the remover's next victim.
+
+Updates never touch more than the ``log2 P`` ancestors of the changed leaves,
+so a batch of B changes costs O(B log C). Every internal node is *recomputed*
+from its two children (never adjusted by a delta), so float sums cannot drift:
+each node is always exactly ``fl(left + right)`` of its current children.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+
+
+def depth(tree_size: int) -> int:
+  return max(0, tree_size.bit_length() - 1)
+
+
+def build_sum(leaves: jnp.ndarray) -> jnp.ndarray:
+  """A sum tree over ``leaves[P]`` (P a power of two). O(P)."""
+  p = leaves.shape[0]
+  levels = [leaves]
+  while levels[-1].shape[0] > 1:
+    cur = levels[-1]
+    levels.append(cur[0::2] + cur[1::2])
+  pad = jnp.zeros((1,), leaves.dtype)
+  tree = jnp.concatenate([pad] + levels[::-1])
+  assert tree.shape[0] == 2 * p
+  return tree
+
+
+def refresh_sum(tree: jnp.ndarray, slots: jnp.ndarray, values: jnp.ndarray,
+                valid: jnp.ndarray | None = None) -> jnp.ndarray:
+  """Set leaves ``slots`` to ``values`` and recompute their ancestors.
+
+  Args:
+    tree: ``[2P]`` sum tree.
+    slots: int32 ``[K]``; entries with ``valid=False`` are ignored.
+    values: ``[K]`` new leaf values. Duplicate slots must carry equal values.
+    valid: optional bool ``[K]``.
+  """
+  p = tree.shape[0] // 2
+  if valid is None:
+    valid = jnp.ones(slots.shape, bool)
+  leaf = jnp.where(valid, p + slots, 2 * p)  # out of range -> dropped
+  tree = tree.at[leaf].set(values.astype(tree.dtype), mode="drop")
+  node = jnp.where(valid, p + slots, 1)
+  for _ in range(depth(p)):
+    node = jnp.maximum(node // 2, 1)
+    # Invalid entries point at the root, which the last level recomputes
+    # correctly after all its descendants are final.
+    tree = tree.at[node].set(tree[2 * node] + tree[2 * node + 1])
+  return tree
+
+
+def total(tree: jnp.ndarray) -> jnp.ndarray:
+  return tree[1]
+
+
+def leaf_values(tree: jnp.ndarray, slots: jnp.ndarray) -> jnp.ndarray:
+  return tree[tree.shape[0] // 2 + slots]
+
+
+def descend_weight(tree: jnp.ndarray, targets: jnp.ndarray) -> jnp.ndarray:
+  """Slots whose prefix-sum interval contains ``targets`` (``[M]`` in [0, total)).
+
+  Never returns a zero-weight leaf while the total is positive: at each node a
+  child whose subtree sums to zero is never entered (this is what keeps
+  zero-priority items unsampleable after any number of float updates).
+  """
+  p = tree.shape[0] // 2
+  node = jnp.ones(targets.shape, jnp.int32)
+  u = targets
+  for _ in range(depth(p)):
+    left = 2 * node
+    lsum = tree[left]
+    rsum = tree[left + 1]
+    go_right = (u >= lsum) & (rsum > 0) | (lsum <= 0)
+    u = jnp.where(go_right, u - lsum, u)
+    node = left + go_right.astype(jnp.int32)
+  return node - p
+
+
+def descend_count(tree: jnp.ndarray, k: jnp.ndarray, free: bool) -> jnp.ndarray:
+  """The k-th (0-based) occupied slot, or the k-th free slot if ``free``.
+
+  ``tree`` is an int32 occupancy count tree; ``k`` int32 ``[M]`` must be below
+  the number of occupied (or free) slots.
+  """
+  p = tree.shape[0] // 2
+  node = jnp.ones(k.shape, jnp.int32)
+  child_size = p
+  for _ in range(depth(p)):
+    child_size //= 2
+    left = 2 * node
+    cnt = tree[left]
+    if free:
+      cnt = child_size - cnt
+    go_right = k >= cnt
+    k = jnp.where(go_right, k - cnt, k)
+    node = left + go_right.astype(jnp.int32)
+  return node - p
+
+
+# --- arg-best trees ---------------------------------------------------------
+
+Better = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]
+"""``better(a, b)``: bool array, True where slot ``a`` beats slot ``b``
+(both valid slot indices)."""
+
+
+def _combine(better: Better, a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+  a_ok, b_ok = a >= 0, b >= 0
+  safe_a, safe_b = jnp.maximum(a, 0), jnp.maximum(b, 0)
+  take_a = a_ok & (~b_ok | better(safe_a, safe_b))
+  return jnp.where(take_a, a, b)
+
+
+def build_best(present: jnp.ndarray, better: Better) -> jnp.ndarray:
+  """Arg-best tree over slots where ``present[P]`` is True. O(P)."""
+  p = present.shape[0]
+  levels = [jnp.where(present, jnp.arange(p, dtype=jnp.int32), -1)]
+  while levels[-1].shape[0] > 1:
+    cur = levels[-1]
+    levels.append(_combine(better, cur[0::2], cur[1::2]))
+  return jnp.concatenate([jnp.full((1,), -1, jnp.int32)] + levels[::-1])
+
+
+def refresh_best(tree: jnp.ndarray, slots: jnp.ndarray, present: jnp.ndarray,
+                 better: Better, valid: jnp.ndarray | None = None) -> jnp.ndarray:
+  """Re-evaluate leaves ``slots`` (present or not) and their ancestors."""
+  p = tree.shape[0] // 2
+  if valid is None:
+    valid = jnp.ones(slots.shape, bool)
+  leaf = jnp.where(valid, p + slots, 2 * p)
+  tree = tree.at[leaf].set(jnp.where(present, slots, -1).astype(jnp.int32), mode="drop")
+  node = jnp.where(valid, p + slots, 1)
+  for _ in range(depth(p)):
+    node = jnp.maximum(node // 2, 1)
+    tree = tree.at[node].set(_combine(better, tree[2 * node], tree[2 * node + 1]))
+  return tree
+
+
+def best(tree: jnp.ndarray) -> jnp.ndarray:
+  """The best slot overall, or -1 if no leaf is present."""
+  return tree[1]
+
