@@ -12,7 +12,7 @@ from funcreplay.sampling import importance_weights
 from funcreplay.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform
 from funcreplay.signature import Signature, check_items
 from funcreplay.spec import TableSpec, queue, stack
-from funcreplay.state import Sample, SampleInfo, TableState
+from funcreplay.state import Sample, SampleInfo, TableState, state_counters
 
 __version__ = "0.1.0"
 
@@ -20,5 +20,5 @@ __all__ = [
     "FunctionalTable", "make_table", "Stats", "MinSize", "Queue", "RateLimiter",
     "SampleToInsertRatio", "Stack", "importance_weights", "Fifo", "Lifo", "MaxHeap",
     "MinHeap", "Prioritized", "Uniform", "Signature", "check_items", "TableSpec", "queue",
-    "stack", "Sample", "SampleInfo", "TableState", "counters",
+    "stack", "Sample", "SampleInfo", "TableState", "counters", "state_counters",
 ]

@@ -127,6 +127,11 @@ class Sample:
   num_eligible: jnp.ndarray
 
 
+def state_counters():
+  """Names of the table counters kept in ``TableState.counters``."""
+  return COUNTERS
+
+
 def empty_counters() -> Dict[str, jnp.ndarray]:
   return {name: ctr.zero() for name in COUNTERS}
 

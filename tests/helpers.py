@@ -1,0 +1,54 @@
+"""Shared test utilities: small specs, jitted table functions, state checks."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import funcreplay as fr
+from funcreplay import counters as ctr
+from funcreplay import indexes
+
+ITEM = {"x": jax.ShapeDtypeStruct((), jnp.int32), "y": jax.ShapeDtypeStruct((2,), jnp.float32)}
+
+
+def items_from_ids(ids):
+  ids = np.asarray(ids, np.int32)
+  return {"x": jnp.asarray(ids), "y": jnp.asarray(np.stack([ids, -ids], -1).astype(np.float32))}
+
+
+@functools.lru_cache(maxsize=None)
+def jitted(spec: fr.TableSpec):
+  """Jitted pure functions of ``spec`` (cached per spec: specs are hashable)."""
+  t = fr.make_table(spec)
+  return dict(
+      table=t,
+      insert=jax.jit(t.insert),
+      sample=jax.jit(t.sample, static_argnames=("batch_size", "replace")),
+      delete=jax.jit(t.delete),
+      update=jax.jit(t.update_priorities),
+      evict=jax.jit(t.evict_stale),
+  )
+
+
+@functools.lru_cache(maxsize=None)
+def _rebuild(spec):
+  return jax.jit(functools.partial(indexes.rebuild, spec))
+
+
+def assert_trees_consistent(spec: fr.TableSpec, state: fr.TableState):
+  """Every device tree equals a from-scratch rebuild over the columns."""
+  rebuilt = _rebuild(spec)(state)
+  np.testing.assert_array_equal(np.asarray(state.occ_tree), np.asarray(rebuilt.occ_tree))
+  if spec.prioritized:
+    np.testing.assert_allclose(np.asarray(state.weight_tree), np.asarray(rebuilt.weight_tree),
+                               rtol=1e-6, atol=0)
+  if spec.needs_remover_tree:
+    assert int(state.remover_tree[1]) == int(rebuilt.remover_tree[1])
+
+
+def counters_dict(state):
+  return {k: ctr.to_int(v) for k, v in state.counters.items()}
