@@ -1,0 +1,310 @@
+"""Core contract tests: distributions, sequence invariants, transforms, counters, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from scipy import stats as sstats
+
+import funcreplay as fr
+from funcreplay import counters as ctr
+from tests.helpers import ITEM, counters_dict, items_from_ids, jitted
+
+# Chi-square tests use fixed seeds; a p-value below this means the
+# distribution is wrong (false-alarm rate 1e-4 per test if it were random).
+P_MIN = 1e-4
+
+
+def _fill(spec, n, version=0):
+  f = jitted(spec)
+  state = f["table"].init()
+  return f["insert"](state, items_from_ids(np.arange(n)), version=version)
+
+
+def _sample_counts(spec, state, n_draws, batch_size, where=None, version=None, replace=False,
+                   seed=0):
+  table = fr.make_table(spec)
+
+  @jax.jit
+  def run(state, key):
+    def body(st, k):
+      st, b = table.sample(st, k, batch_size=batch_size, where=where, version=version,
+                           replace=replace)
+      return st, (b.info.slot, b.valid)
+    return lax.scan(body, state, jax.random.split(key, n_draws))[1]
+
+  slots, valid = run(state, jax.random.PRNGKey(seed))
+  return np.asarray(slots), np.asarray(valid)
+
+
+def test_uniform_without_replacement_is_uniform_over_eligible():
+  spec = fr.TableSpec(20, ITEM, max_staleness=3)
+  f = jitted(spec)
+  state = f["table"].init()
+  # slots 0-9 at version 0 (stale at version 5), 10-19 at version 4
+  state = f["insert"](state, items_from_ids(np.arange(10)), version=0)
+  state = f["insert"](state, items_from_ids(np.arange(10, 20)), version=4)
+  where = jnp.arange(20) % 5 != 0   # also exclude 10 and 15
+  slots, valid = _sample_counts(spec, state, 4000, 4, where=where, version=5)
+  assert valid.all()
+  for row in slots:
+    assert len(set(row.tolist())) == 4, "repeated slot within a batch"
+  eligible = [s for s in range(10, 20) if s % 5 != 0]
+  counts = np.bincount(slots.ravel(), minlength=20)
+  assert counts[[s for s in range(20) if s not in eligible]].sum() == 0
+  p = sstats.chisquare(counts[eligible]).pvalue
+  assert p > P_MIN, f"uniform chi-square p={p}"
+
+
+def test_probability_and_num_eligible_reported():
+  spec = fr.TableSpec(16, ITEM)
+  state = _fill(spec, 10)
+  state, b = jitted(spec)["sample"](state, jax.random.PRNGKey(1), batch_size=4)
+  np.testing.assert_allclose(np.asarray(b.info.probability), 0.1)
+  assert int(b.num_eligible) == 10
+
+
+@pytest.mark.parametrize("capacity,batch", [(50, 7), (13, 13), (8, 3), (1, 1)])
+def test_fifo_ring_keeps_the_live_window(capacity, batch):
+  """Strictly increasing payloads: every sample belongs to the last `capacity` inserted."""
+  spec = fr.TableSpec(capacity, ITEM)
+  f = jitted(spec)
+  state = f["table"].init()
+  key = jax.random.PRNGKey(0)
+  next_id = 0
+  for _ in range(5 * capacity // batch + 3):
+    state = f["insert"](state, items_from_ids(np.arange(next_id, next_id + batch)), version=0)
+    next_id += batch
+    key, k = jax.random.split(key)
+    bs = min(capacity, 16)
+    state, b = f["sample"](state, k, batch_size=bs)
+    x = np.asarray(b.data["x"])[np.asarray(b.valid)]
+    lo = max(0, next_id - capacity)
+    assert ((x >= lo) & (x < next_id)).all(), (x, lo, next_id)
+    assert len(x) == min(bs, next_id - lo)
+    np.testing.assert_array_equal(np.asarray(b.data["y"])[np.asarray(b.valid)][:, 1], -x)
+
+
+def test_insert_and_sample_inside_scan_train_loop():
+  spec = fr.TableSpec(64, ITEM, sampler=fr.Prioritized(0.6), max_times_sampled=3,
+                      max_staleness=4)
+  table = fr.make_table(spec)
+
+  @jax.jit
+  def train(state, key):
+    def step(carry, t):
+      st, k = carry
+      k, k1 = jax.random.split(k)
+      ids = t * 4 + jnp.arange(4, dtype=jnp.int32)
+      items = {"x": ids, "y": jnp.stack([ids, -ids], -1).astype(jnp.float32)}
+      st = table.insert(st, items, version=t)
+      st, b = table.sample(st, k1, batch_size=8, version=t)
+      st = table.update_priorities(st, b.info.slot, b.info.key,
+                                   jnp.abs(b.data["y"][:, 0]) + 1.0)
+      return (st, k), (jnp.sum(b.valid), jnp.max(jnp.where(b.valid, t - b.info.version, 0)))
+    return lax.scan(step, (state, key), jnp.arange(40, dtype=jnp.int32))
+
+  (state, _), (n_valid, max_stale) = train(table.init(), jax.random.PRNGKey(0))
+  assert int(max_stale.max()) <= 4
+  assert int(n_valid[-1]) == 8
+  live = np.asarray(state.occupied)
+  assert np.asarray(state.times_sampled)[live].max() < 3, "an item outlived max_times_sampled"
+  c = counters_dict(state)
+  assert c["inserts"] == 160
+  assert c["samples"] == int(n_valid.sum())
+  removed = c["evicted_capacity"] + c["evicted_reuse"] + c["evicted_stale"] + c["deletes"]
+  assert c["inserts"] == int(state.size) + removed
+
+
+def test_vmap_over_four_independent_tables():
+  spec = fr.TableSpec(16, ITEM, sampler=fr.Prioritized(1.0))
+  table = fr.make_table(spec)
+  states = jax.vmap(lambda _: table.init())(jnp.arange(4))
+  ids = jnp.arange(4 * 5, dtype=jnp.int32).reshape(4, 5)
+  items = {"x": ids, "y": jnp.stack([ids, -ids], -1).astype(jnp.float32)}
+  states = jax.jit(jax.vmap(lambda s, it: table.insert(s, it, version=0)))(states, items)
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  states, b = jax.jit(jax.vmap(lambda s, k: table.sample(s, k, batch_size=3)))(states, keys)
+  x = np.asarray(b.data["x"])
+  assert x.shape == (4, 3)
+  for t in range(4):  # each table only returns its own items
+    assert set(x[t].tolist()) <= set(range(5 * t, 5 * t + 5))
+    assert len(set(x[t].tolist())) == 3
+  np.testing.assert_array_equal(np.asarray(states.occ_tree[:, 1]), 5)
+
+
+def test_counters_and_keys_survive_2_pow_32():
+  spec = fr.TableSpec(8, ITEM, sampler=fr.Fifo())
+  f = jitted(spec)
+  state = f["table"].init()
+  near = 2**32 - 3
+  state = state.replace(
+      counters={k: ctr.from_int(near) for k in state.counters},
+      next_key=jnp.uint32(2**32 - 8))
+  for i in range(4):
+    state = f["insert"](state, items_from_ids(np.arange(3 * i, 3 * i + 3)), version=0)
+  c = counters_dict(state)
+  assert c["inserts"] == near + 12
+  assert c["evicted_capacity"] == near + 4
+  keys = np.asarray(state.key)
+  assert keys.max() == 2**32 - 1 and keys.min() == 0, "keys wrap modulo 2**32"
+  # Fifo order is decided by age, so it stays right across the key wrap.
+  state, b = f["sample"](state, jax.random.PRNGKey(0), batch_size=8)
+  np.testing.assert_array_equal(np.asarray(b.data["x"]), np.arange(4, 12))
+  assert counters_dict(state)["samples"] == near + 8
+
+
+def test_two_word_add_sum_is_exact():
+  c = ctr.from_int(2**32 - 10)
+  v = jnp.full((1000,), 2**31 + 7, jnp.uint32)
+  got = ctr.to_int(jax.jit(ctr.add_sum)(c, v))
+  assert got == 2**32 - 10 + 1000 * (2**31 + 7)
+
+
+def test_empty_table_sample_is_all_invalid():
+  spec = fr.TableSpec(8, ITEM, sampler=fr.Prioritized())
+  f = jitted(spec)
+  state, b = f["sample"](f["table"].init(), jax.random.PRNGKey(0), batch_size=4)
+  assert not np.asarray(b.valid).any()
+  np.testing.assert_array_equal(np.asarray(b.info.slot), -1)
+  assert counters_dict(state)["samples"] == 0
+
+
+def test_partial_batch_marks_missing_rows_invalid():
+  spec = fr.TableSpec(8, ITEM)
+  state = _fill(spec, 3)
+  state, b = jitted(spec)["sample"](state, jax.random.PRNGKey(0), batch_size=6)
+  np.testing.assert_array_equal(np.asarray(b.valid), [1, 1, 1, 0, 0, 0])
+  assert sorted(np.asarray(b.data["x"])[:3].tolist()) == [0, 1, 2]
+  np.testing.assert_array_equal(np.asarray(b.data["y"])[3:], 0)
+
+
+def test_masked_insert_rows_are_not_inserted():
+  spec = fr.TableSpec(8, ITEM)
+  f = jitted(spec)
+  state = f["insert"](f["table"].init(), items_from_ids([5, 6, 7, 8]), version=0,
+                      mask=np.array([True, False, True, False]))
+  assert int(state.size) == 2
+  assert sorted(np.asarray(state.data["x"])[np.asarray(state.occupied)].tolist()) == [5, 7]
+  assert counters_dict(state)["inserts"] == 2
+
+
+def test_max_times_sampled_frees_items_and_counts_reuse():
+  spec = fr.TableSpec(8, ITEM, max_times_sampled=2)
+  f = jitted(spec)
+  state = _fill(spec, 4)
+  for i in range(4):
+    state, b = f["sample"](state, jax.random.PRNGKey(i), batch_size=4)
+  assert int(state.size) == 0
+  c = counters_dict(state)
+  assert c["evicted_reuse"] == 4 and c["samples"] == 8 and c["removed_reuse_sum"] == 8
+  assert fr.make_table(spec).stats(state).to_dict()["mean_reuse_at_eviction"] == 2.0
+
+
+def test_evict_stale_and_stats():
+  spec = fr.TableSpec(8, ITEM, max_staleness=1)
+  f = jitted(spec)
+  state = f["insert"](f["table"].init(), items_from_ids([0, 1, 2]), version=0)
+  state = f["insert"](state, items_from_ids([3, 4]), version=2)
+  table = fr.make_table(spec)
+  assert int(table.count(state, version=2)) == 2
+  assert int(table.count(state)) == 5
+  state = f["evict"](state, 2)
+  assert int(state.size) == 2
+  s = table.stats(state).to_dict()
+  assert s["evicted_stale"] == 3 and s["size"] == 2
+
+
+def test_delete_only_where_key_matches():
+  spec = fr.TableSpec(4, ITEM)
+  f = jitted(spec)
+  state = _fill(spec, 4)
+  old_key = int(state.key[0])
+  state = f["insert"](state, items_from_ids([10]), version=0)  # overwrites slot 0
+  state = f["delete"](state, np.array([0, 1], np.int32), np.array([old_key, int(state.key[1])],
+                                                                   np.uint32))
+  assert np.asarray(state.occupied).tolist() == [True, False, True, True]
+  assert counters_dict(state)["deletes"] == 1
+
+
+def test_rate_limiter_predicates():
+  spec = fr.TableSpec(8, ITEM, rate_limiter=fr.MinSize(3))
+  table = fr.make_table(spec)
+  state = _fill(spec, 2)
+  assert not bool(table.can_sample(state, 1))
+  state = jitted(spec)["insert"](state, items_from_ids([9]), version=0)
+  assert bool(table.can_sample(state, 3)) and not bool(table.can_sample(state, 4))
+  q = fr.queue(2, ITEM)
+  qt = fr.make_table(q)
+  qs = qt.init()
+  assert bool(qt.can_insert(qs, 2)) and not bool(qt.can_insert(qs, 3))
+  assert not bool(qt.can_sample(qs, 1))
+
+
+# --- bad input -----------------------------------------------------------------
+
+def test_batch_larger_than_capacity_is_an_error():
+  spec = fr.TableSpec(4, ITEM)
+  with pytest.raises(ValueError, match="exceeds the table capacity 4"):
+    fr.make_table(spec).insert(fr.make_table(spec).init(), items_from_ids(np.arange(5)))
+
+
+def test_insert_wrong_shape_or_dtype_names_the_leaf():
+  spec = fr.TableSpec(4, ITEM)
+  table = fr.make_table(spec)
+  bad = {"x": jnp.zeros((2,), jnp.int32), "y": jnp.zeros((2, 3), jnp.float32)}
+  with pytest.raises(ValueError, match=r"\['y'\].*expected shape \[B, 2\]"):
+    table.insert(table.init(), bad)
+  bad = {"x": jnp.zeros((2,), jnp.float32), "y": jnp.zeros((2, 2), jnp.float32)}
+  with pytest.raises(TypeError, match=r"\['x'\].*expected dtype int32"):
+    table.insert(table.init(), bad)
+
+
+def test_check_items_reports_leaf_expected_and_got():
+  sig = fr.Signature(ITEM)
+  with pytest.raises(ValueError, match="structure does not match"):
+    fr.check_items(sig, {"x": np.zeros((2,), np.int32)})
+  with pytest.raises(TypeError, match=r"\['y'\]: expected dtype float32, got float64"):
+    fr.check_items(sig, {"x": np.zeros((2,), np.int32), "y": np.zeros((2, 2))})
+  with pytest.raises(ValueError, match="disagree on the batch size"):
+    fr.check_items(sig, {"x": np.zeros((2,), np.int32), "y": np.zeros((3, 2), np.float32)})
+  leaves, b = fr.check_items(sig, {"x": 3, "y": np.zeros((2,), np.float32)}, batched=False)
+  assert b == 1 and leaves[0].dtype == np.int32
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(capacity=0), "capacity"),
+    (dict(capacity=4, sampler="uniform"), "sampler must be one of"),
+    (dict(capacity=4, remover=fr.Prioritized()), "remover must be one of"),
+    (dict(capacity=4, max_times_sampled=-1), "max_times_sampled"),
+    (dict(capacity=4, max_staleness=-2), "max_staleness"),
+    (dict(capacity=4, metadata=("key",)), "built-in column"),
+    (dict(capacity=4, metadata=("a", "a")), "duplicate"),
+    (dict(capacity=4, default_priority=float("nan")), "default_priority"),
+])
+def test_spec_validation(kwargs, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    fr.TableSpec(signature=ITEM, **kwargs)
+
+
+def test_float64_signature_rejected_without_x64():
+  with pytest.raises(TypeError, match="float64"):
+    fr.TableSpec(4, {"x": np.zeros((2,), np.float64)})
+
+
+def test_specs_are_hashable_and_compare_by_value():
+  a = fr.TableSpec(4, ITEM, sampler=fr.Prioritized(0.5))
+  b = fr.TableSpec(4, {"x": np.zeros((), np.int32), "y": np.zeros((2,), np.float32)},
+                   sampler=fr.Prioritized(0.5))
+  assert a == b and hash(a) == hash(b)
+  assert a != a.replace(capacity=5)
+
+
+def test_where_mask_shape_is_checked():
+  spec = fr.TableSpec(4, ITEM)
+  table = fr.make_table(spec)
+  with pytest.raises(ValueError, match="bool mask of shape \\[4\\]"):
+    table.sample(table.init(), jax.random.PRNGKey(0), batch_size=2, where=jnp.ones((3,), bool))
