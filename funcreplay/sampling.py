@@ -130,8 +130,19 @@ def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_
   return picked, tree, touched
 
 
+def _draw_stratified(spec, state, rng, batch_size):
+  """One draw per equal-mass stratum of the weight tree, rows in random order."""
+  w = _Weights(spec, state)
+  k1, k2 = jax.random.split(rng)
+  u = (jnp.arange(batch_size) + jax.random.uniform(k1, (batch_size,))) / batch_size
+  slots = w.draw(w.tree, jnp.minimum(u, 1.0 - 1e-7))
+  # Rows in random order: a slot-sorted batch biases consumers that split it.
+  slots = jax.random.permutation(k2, slots)
+  return jnp.where(w.total(w.tree) > 0, slots, -1)
+
+
 def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=None,
-           where=None, replace: bool = False):
+           where=None, replace: bool = False, stratified: bool = False):
   """Sample ``batch_size`` items.
 
   Args:
@@ -144,6 +155,9 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     replace: sample with replacement (default: a batch never repeats a slot).
       With replacement an item may appear more often in one batch than its
       remaining ``max_times_sampled`` allowance; it is freed after the batch.
+    stratified: (Uniform / Prioritized, with ``replace=True``, no masks)
+      split the total weight into ``B`` equal strata and draw one item from
+      each, as in PER's proportional variant; rows come in random order.
 
   Returns:
     ``(state, Sample)``. The state has ``times_sampled`` incremented for every
@@ -162,6 +176,9 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     raise ValueError(f"sample: replace=True is not supported by the deterministic "
                      f"{type(spec.sampler).__name__} sampler.")
   masked = ops.masks_active(spec, version, where)
+  if stratified and (not replace or masked or sel.is_ordered(spec.sampler)):
+    raise ValueError("sample: stratified=True needs replace=True, a Uniform or Prioritized "
+                     "sampler, and no where/staleness mask (strata are over the whole table).")
   ver = None if version is None else jnp.asarray(version, jnp.int32)
 
   def eligible_all():
@@ -187,8 +204,13 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     size0 = state.size
     if spec.prioritized:
       unmasked_total = state.weight_tree[1]
-    picked, tree, touched = _draw_weighted(spec, state, rng, b, replace, eligible_fn,
-                                           eligible_all)
+    if stratified:
+      w = _Weights(spec, state)
+      picked = _draw_stratified(spec, state, rng, b)
+      tree, touched = w.tree, jnp.full((1,), -1, jnp.int32)
+    else:
+      picked, tree, touched = _draw_weighted(spec, state, rng, b, replace, eligible_fn,
+                                             eligible_all)
     safe = jnp.maximum(picked, 0)
     if spec.prioritized:
       w_item = indexes.sample_weight(spec, state.occupied[safe], state.priority[safe])

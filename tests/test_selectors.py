@@ -244,3 +244,27 @@ def test_combination_prioritized_reuse_staleness_heap_remover():
   np.testing.assert_allclose(np.asarray(state.weight_tree), np.asarray(rebuilt.weight_tree),
                              rtol=1e-6)
   assert int(state.remover_tree[1]) == int(rebuilt.remover_tree[1])
+
+
+def test_stratified_option_is_proportional_and_unsorted():
+  prios = np.array([1.0, 2.0, 3.0, 4.0, 0.0, 6.0], np.float32)
+  spec = fr.TableSpec(8, ITEM, sampler=fr.Prioritized(1.0))
+  state = _prio_state(spec, prios)
+  table = fr.make_table(spec)
+
+  @jax.jit
+  def run(state, key):
+    def body(st, k):
+      _, b = table.sample(st, k, batch_size=4, replace=True, stratified=True)
+      return st, b.info.slot
+    return lax.scan(body, state, jax.random.split(key, 2000))[1]
+
+  slots = np.asarray(run(state, jax.random.PRNGKey(0)))
+  counts = np.bincount(slots.ravel(), minlength=8)
+  assert counts[4] == 0
+  elig = [0, 1, 2, 3, 5]
+  expected = prios[elig].astype(np.float64) / prios.sum()
+  assert sstats.chisquare(counts[elig], expected * counts.sum()).pvalue > P_MIN
+  assert not all((np.diff(r) >= 0).all() for r in slots), "rows are always slot-sorted"
+  with pytest.raises(ValueError, match="stratified"):
+    table.sample(state, jax.random.PRNGKey(0), batch_size=4, stratified=True)
