@@ -168,6 +168,7 @@ def make_sharded_table(spec: TableSpec, mesh: Mesh, axis: str = "data") -> Shard
   sharding = NamedSharding(mesh, P(axis))
   sh = P(axis)
   rep = P()
+  explicit = jax.sharding.AxisType.Explicit in tuple(getattr(mesh, "axis_types", ()))
 
   def smap(f, in_specs, out_specs):
     # check_vma off: the per-shard ops mix replicated scalars (version, keys)
@@ -175,9 +176,12 @@ def make_sharded_table(spec: TableSpec, mesh: Mesh, axis: str = "data") -> Shard
     mapped = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                            check_vma=False)
 
+    if not explicit:
+      return mapped  # Auto axes: XLA moves mismatched inputs itself.
+
     def call(*args):
-      # Put every argument where shard_map wants it: with Explicit mesh axes
-      # (the default of jax.make_mesh) shard_map refuses mismatched inputs.
+      # With Explicit mesh axes (the default of jax.make_mesh) shard_map
+      # refuses inputs laid out otherwise: put each where it is wanted.
       args = [jax.tree_util.tree_map(lambda x, s=s: jax.reshard(x, NamedSharding(mesh, s)), a)
               for a, s in zip(args, in_specs)]
       return mapped(*args)
