@@ -296,6 +296,9 @@ def make_sharded_table(spec: TableSpec, mesh: Mesh, axis: str = "data") -> Shard
     m = batch_size if max_per_shard is None else max_per_shard
     if not isinstance(m, int) or m < 1:
       raise ValueError(f"sample_global: max_per_shard must be a static int >= 1, got {m!r}.")
+    if n == 1:  # one shard: the local draw already is the global one
+      return sample(state, rng, batch_size=min(m, batch_size), version=version, where=where,
+                    replace=replace)
     if not replace:
       m = min(m, lspec.capacity)
     has_where = where is not None

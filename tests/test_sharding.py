@@ -33,7 +33,9 @@ N = 4  # shards used by most tests (of the 8 devices)
 
 def _child_env(devices):
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  # Tiny tables: XLA's CPU optimisation passes cost more than they save here.
+  env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
+                      "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   return env
@@ -180,20 +182,24 @@ def _unequal_state(t, prios):
   return jax.jit(t.insert)(st, _items(N, b, 0), priority=pr, mask=mask), pr, mask
 
 
+_RUNS = {}
+
+
 def _draw_counts(t, st, trials, batch_size, replace, b):
   """Item (shard * b + slot) counts over ``trials`` global samples, in one scan."""
-
-  @jax.jit
-  def run(st, key):
-    def step(st, k):
-      st, out = t.sample_global(st, k, batch_size=batch_size, replace=replace)
-      ids = jnp.where(out.valid, jnp.arange(N)[:, None] * b + out.info.slot, N * b)
-      return st, (jnp.bincount(ids.reshape(-1), length=N * b + 1)[:-1],
-                  jnp.sum(out.valid), out)
-    st, (counts, nvalid, outs) = jax.lax.scan(step, st, jax.random.split(key, trials))
-    return jnp.sum(counts, 0), nvalid, jax.tree_util.tree_map(lambda x: x[0], outs)
-
-  return run(st, jax.random.PRNGKey(11))
+  cache_key = (id(t), trials, batch_size, replace, b)
+  if cache_key not in _RUNS:
+    @jax.jit
+    def run(st, key):
+      def step(st, k):
+        st, out = t.sample_global(st, k, batch_size=batch_size, replace=replace)
+        ids = jnp.where(out.valid, jnp.arange(N)[:, None] * b + out.info.slot, N * b)
+        return st, (jnp.bincount(ids.reshape(-1), length=N * b + 1)[:-1],
+                    jnp.sum(out.valid), out)
+      st, (counts, nvalid, outs) = jax.lax.scan(step, st, jax.random.split(key, trials))
+      return jnp.sum(counts, 0), nvalid, jax.tree_util.tree_map(lambda x: x[0], outs)
+    _RUNS[cache_key] = (t, run)  # keep t alive so its id is not reused
+  return _RUNS[cache_key][1](st, jax.random.PRNGKey(11))
 
 
 PRIOS = [[1.0, 2.0, 3.0, 4.0, 0.5, 6.0, 1.0], [5.0], [], [2.0, 0.25, 1.0]]  # unequal fill
@@ -296,6 +302,7 @@ def test_global_sample_reuse_and_staleness(mesh):
   assert _count(t, st, version=2) == 0 and _stats(t, st)["samples"] == 8
 
 
+@pytest.mark.slow
 def test_max_per_shard_gives_exact_prefix(mesh):
   spec = fr.TableSpec(4 * 8, ITEM)
   t = frs.make_sharded_table(spec, mesh)
@@ -340,12 +347,16 @@ def test_gather_and_reshard_round_trip(unequal):
   host = frs.gather_state(st)
   assert isinstance(host.occupied, np.ndarray) and host.occupied.shape == (N, 8)
   back = t.shard_state(host)
-  assert back.data["x"].sharding.spec[0] == "data"
-  sg = jax.jit(t.sample_global, static_argnames=SAMPLE_ARGS)
-  s1, b1 = sg(st, jax.random.PRNGKey(4), batch_size=6)
-  s2, b2 = sg(back, jax.random.PRNGKey(4), batch_size=6)
-  _leaf_equal(b1, b2)
-  _leaf_equal(s1, s2)
+  for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(st)):
+    if a.size == 0:
+      continue  # XLA reports empty leaves (unused trees) as replicated
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+  _leaf_equal(frs.gather_state(back), host)
+  _leaf_equal(back, st)
+  # Same leaves, same layout: the same (cached) programs give the same samples.
+  counts1 = _draw_counts(t, st, 2000, 3, False, 7)[0]
+  counts2 = _draw_counts(t, back, 2000, 3, False, 7)[0]
+  np.testing.assert_array_equal(counts1, counts2)
 
 
 def test_errors(mesh):
