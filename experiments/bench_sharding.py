@@ -41,18 +41,29 @@ flags.DEFINE_bool("prioritized", False, "Prioritized(0.6) sampler instead of Uni
 flags.DEFINE_string("out", "results/bench_sharding.json", "JSON output ('' = none)")
 
 
-def _time(fn, state, steps, repeats):
-  """Median seconds per call of ``state = fn(state, i)`` (state donated)."""
-  state = fn(state, 0)  # compile + warm up
-  jax.block_until_ready(state)
-  times = []
-  for _ in range(repeats):
+class _Runner:
+  """One timed operation ``state = fn(state, i)`` with its own (donated) state."""
+
+  def __init__(self, fn, state):
+    self.fn, self.state, self.i, self.times = fn, fn(state, 0), 1, []  # compile + warm up
+    jax.block_until_ready(self.state)
+
+  def run(self, steps):
     t0 = time.perf_counter()
-    for i in range(steps):
-      state = fn(state, i + 1)
-    jax.block_until_ready(state)
-    times.append((time.perf_counter() - t0) / steps)
-  return float(np.median(times)), state
+    for _ in range(steps):
+      self.state = self.fn(self.state, self.i)
+      self.i += 1
+    jax.block_until_ready(self.state)
+    self.times.append((time.perf_counter() - t0) / steps)
+
+
+def _measure(runners, steps, repeats):
+  """Median s/call of each runner, measured round-robin so that load changes on a
+  shared machine hit every configuration alike."""
+  for _ in range(repeats):
+    for r in runners.values():
+      r.run(steps)
+  return {k: float(np.median(r.times)) for k, r in runners.items()}
 
 
 def _spec():
@@ -67,19 +78,18 @@ def _items(lead):
           "reward": rng.standard_normal(lead, dtype=np.float32)}
 
 
-def bench_unsharded(spec):
+def unsharded_runners(spec):
   t = fr.make_table(spec)
   items = jax.device_put(_items((FLAGS.insert_batch,)))
   insert = jax.jit(lambda s, i: t.insert(s, items, version=i), donate_argnums=0)
   sample = jax.jit(lambda s, i: t.sample(s, jax.random.PRNGKey(i),
                                          batch_size=FLAGS.sample_batch)[0], donate_argnums=0)
-  state = t.init()
-  ins, state = _time(insert, state, FLAGS.steps, FLAGS.repeats)
-  smp, state = _time(sample, state, FLAGS.steps, FLAGS.repeats)
-  return dict(insert_s=ins, sample_s=smp)
+  state = _Runner(insert, t.init()).state  # fill a little before sampling
+  return {("unsharded", 1, "insert"): _Runner(insert, t.init()),
+          ("unsharded", 1, "sample"): _Runner(sample, state)}
 
 
-def bench_sharded(spec, n):
+def sharded_runners(spec, n):
   mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:n])
   t = frs.make_sharded_table(spec, mesh)
@@ -91,11 +101,11 @@ def bench_sharded(spec, n):
                                         batch_size=FLAGS.sample_batch // n)[0], donate_argnums=0)
   glob = jax.jit(lambda s, i: t.sample_global(s, jax.random.PRNGKey(i),
                                               batch_size=FLAGS.sample_batch)[0], donate_argnums=0)
-  state = jax.jit(t.init)()
-  ins, state = _time(insert, state, FLAGS.steps, FLAGS.repeats)
-  smp, state = _time(local, state, FLAGS.steps, FLAGS.repeats)
-  gsm, state = _time(glob, state, FLAGS.steps, FLAGS.repeats)
-  return dict(insert_s=ins, sample_s=smp, sample_global_s=gsm)
+  init = jax.jit(t.init)
+  filled = lambda: _Runner(insert, init()).state  # noqa: E731
+  return {("sharded", n, "insert"): _Runner(insert, init()),
+          ("sharded", n, "sample"): _Runner(local, filled()),
+          ("sharded", n, "sample_global"): _Runner(glob, filled())}
 
 
 def main(_):
@@ -104,26 +114,32 @@ def main(_):
         f"capacity {spec.capacity}, item {FLAGS.obs_dim * 4 + 4} B, insert batch "
         f"{FLAGS.insert_batch}, sample batch {FLAGS.sample_batch}, "
         f"{'prioritized' if FLAGS.prioritized else 'uniform'}")
-  base = bench_unsharded(spec)
-  rows = [dict(config="unsharded", shards=1, **base)]
-  for n in [int(x) for x in FLAGS.devices.split(",")]:
-    rows.append(dict(config="sharded", shards=n, **bench_sharded(spec, n)))
+  runners = unsharded_runners(spec)
+  shard_counts = [int(x) for x in FLAGS.devices.split(",")]
+  for n in shard_counts:
+    runners.update(sharded_runners(spec, n))
+  secs = _measure(runners, FLAGS.steps, FLAGS.repeats)
+  base = {op: secs[("unsharded", 1, op)] for op in ("insert", "sample")}
+  rows = []
+  for config, n in [("unsharded", 1)] + [("sharded", n) for n in shard_counts]:
+    r = dict(config=config, shards=n)
+    for op in ("insert", "sample", "sample_global"):
+      if (config, n, op) not in secs:
+        continue
+      s = secs[(config, n, op)]
+      batch = FLAGS.insert_batch if op == "insert" else FLAGS.sample_batch
+      r[f"{op}_s"] = s
+      r[f"{op}_items_per_s"] = batch / s
+      r[f"{op}_overhead"] = s / base["insert" if op == "insert" else "sample"] - 1
+    rows.append(r)
   print(f"{'config':>10} {'shards':>6} {'insert items/s':>15} {'sample items/s':>15} "
         f"{'global items/s':>15} {'insert ovh':>10} {'sample ovh':>10} {'global ovh':>10}")
+  nan = float("nan")
   for r in rows:
-    ins = FLAGS.insert_batch / r["insert_s"]
-    smp = FLAGS.sample_batch / r["sample_s"]
-    g = r.get("sample_global_s")
-    r["insert_items_per_s"], r["sample_items_per_s"] = ins, smp
-    r["insert_overhead"] = r["insert_s"] / base["insert_s"] - 1
-    r["sample_overhead"] = r["sample_s"] / base["sample_s"] - 1
-    if g:
-      r["sample_global_items_per_s"] = FLAGS.sample_batch / g
-      r["sample_global_overhead"] = g / base["sample_s"] - 1
-    print(f"{r['config']:>10} {r['shards']:>6} {ins:>15,.0f} {smp:>15,.0f} "
-          f"{(FLAGS.sample_batch / g) if g else float('nan'):>15,.0f} "
+    print(f"{r['config']:>10} {r['shards']:>6} {r['insert_items_per_s']:>15,.0f} "
+          f"{r['sample_items_per_s']:>15,.0f} {r.get('sample_global_items_per_s', nan):>15,.0f} "
           f"{r['insert_overhead']:>+10.1%} {r['sample_overhead']:>+10.1%} "
-          f"{r.get('sample_global_overhead', float('nan')):>+10.1%}")
+          f"{r.get('sample_global_overhead', nan):>+10.1%}")
   if FLAGS.out:
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out, "w") as f:

@@ -10,6 +10,7 @@ from funcreplay.ops import Stats
 from funcreplay.rate_limiters import MinSize, Queue, RateLimiter, SampleToInsertRatio, Stack
 from funcreplay.sampling import importance_weights
 from funcreplay.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform
+from funcreplay.sharding import ShardedTable, make_sharded_table
 from funcreplay.signature import Signature, check_items
 from funcreplay.spec import TableSpec, queue, stack
 from funcreplay.state import Sample, SampleInfo, TableState, state_counters
@@ -21,4 +22,5 @@ __all__ = [
     "SampleToInsertRatio", "Stack", "importance_weights", "Fifo", "Lifo", "MaxHeap",
     "MinHeap", "Prioritized", "Uniform", "Signature", "check_items", "TableSpec", "queue",
     "stack", "Sample", "SampleInfo", "TableState", "counters", "state_counters",
+    "ShardedTable", "make_sharded_table",
 ]
