@@ -151,5 +151,38 @@ def main(_):
     print(f"wrote {FLAGS.out}")
 
 
+def run(small: bool) -> list:
+  """The ``sharding`` section of ``experiments/benchmark.py``.
+
+  Runs this script in a subprocess (XLA fixes the device count when the
+  backend starts, and the driver's process has already started it) and
+  returns one row per (shards, op): funcreplay = sharded items/s, peer = the
+  unsharded table in the same run, ratio = sharded / unsharded.
+  """
+  import subprocess
+  import tempfile
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "sharding.json")
+    cmd = [sys.executable, os.path.abspath(__file__), f"--out={out}"]
+    if small:
+      cmd += ["--capacity=16384", "--steps=10", "--repeats=3"]
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    subprocess.run(cmd, check=True, env=env, timeout=1800)
+    with open(out) as f:
+      rows = json.load(f)["rows"]
+  base = rows[0]
+  results = []
+  for r in rows[1:]:
+    for op, base_op in (("insert", "insert"), ("sample", "sample"), ("sample_global", "sample")):
+      if f"{op}_items_per_s" not in r:
+        continue
+      ours, peer = r[f"{op}_items_per_s"], base[f"{base_op}_items_per_s"]
+      results.append(dict(section="sharding", case=f"{op} {r['shards']} shard(s)", funcreplay=ours,
+                          peer=peer, peer_name="unsharded table", unit="items/s",
+                          ratio=ours / peer))
+  return results
+
+
 if __name__ == "__main__":
   app.run(main)
