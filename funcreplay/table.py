@@ -55,11 +55,17 @@ def _copy_tree(tree):
 
 
 def _where_mask(state: TableState, where, where_cols):
-  """bool[C] from a slot mask and/or {column: int32[K] allowed values}; None if neither."""
+  """bool[C] from a slot mask and {column: (int32[K] allowed values, active bool[])}.
+
+  ``where`` is None when the caller gave no ``where`` at all; otherwise every
+  column is present (inactive ones match everything), so any ``where`` of a
+  spec compiles to one variant per value bucket.
+  """
+  if where is None:
+    return None
   mask = where
-  for col, vals in where_cols.items():
-    m = jnp.any(state.metadata[col][:, None] == vals[None, :], axis=1)
-    mask = m if mask is None else mask & m
+  for col, (vals, active) in where_cols.items():
+    mask = mask & (~active | jnp.any(state.metadata[col][:, None] == vals[None, :], axis=1))
   return mask
 
 
@@ -71,7 +77,7 @@ class _Ops:
     limiter = spec.rate_limiter
     uniform_remover = isinstance(spec.remover, sel.Uniform)
 
-    def insert(state, rng, items, version, priority, metadata, start, n_real):
+    def insert(state, rng, items, version, priority, has_priority, metadata, start, n_real):
       bk = version.shape[0]
       # Largest k <= n_real - start the limiter admits now (can_insert is
       # monotone in n), so the batch goes in item by item as in Reverb.
@@ -81,6 +87,10 @@ class _Ops:
       idx = jnp.arange(bk, dtype=jnp.int32)
       mask = (idx >= start) & (idx < start + k)
       new_rng, sub = jax.random.split(rng)
+      # Always pass explicit priorities (one compiled variant per bucket): the
+      # default is what ops.insert would use for priority=None.
+      default = state.max_priority if spec.default_priority is None else spec.default_priority
+      priority = jnp.where(has_priority, priority, default)
       state = ops.insert(spec, state, items, version=version, priority=priority, mask=mask,
                          metadata=metadata, rng=sub if uniform_remover else None)
       rng = jnp.where(k > 0, new_rng, rng) if uniform_remover else rng
@@ -395,8 +405,9 @@ class Table:
     bk = _bucket(b, spec.capacity)
     ver = _pad(_int_rows(self._version if version is None else version, b,
                          "Table.insert version"), bk)
-    prio = None if priority is None else _pad(_priority_rows(priority, b, "Table.insert priority"),
-                                              bk)
+    has_prio = np.bool_(priority is not None)
+    prio = _pad(_priority_rows(0.0 if priority is None else priority, b, "Table.insert priority"),
+                bk)
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, Mapping):
       raise TypeError(f"Table.insert: metadata must be a dict column -> ints, got "
@@ -410,7 +421,7 @@ class Table:
     padded = jax.tree_util.tree_unflatten(spec.signature.treedef,
                                           [_pad_leaf(x, bk) for x in leaves])
     # One host->device transfer, reused if the call has to wait and retry.
-    args = jax.device_put((padded, ver, prio, meta))
+    args = jax.device_put((padded, ver, prio, has_prio, meta))
     n_real = np.int32(b)
     inserted = 0
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -498,17 +509,19 @@ class Table:
           self._cond.notify_all()
           return out
         if not self._wait(deadline):
+          why = []
+          if not limiter_ok:
+            why.append(f"the rate limiter {_describe_limiter(spec)} forbids sampling now "
+                       f"(table size {int(self._state.size)}); insert more items")
           if cnt < min_valid:
-            why = (f"only {int(cnt)} eligible items (need min_valid={min_valid}"
-                   + (f"; max_staleness={spec.max_staleness} at version {int(ver)}"
-                      if spec.max_staleness is not None else "")
-                   + ("; restricted by where" if where is not None else "")
-                   + "). Insert more (fresh) items, lower min_valid, or pass a larger timeout.")
-          else:
-            why = (f"the rate limiter {_describe_limiter(spec)} forbids sampling now "
-                   f"(table size {int(self._state.size)}). Insert more items or pass a larger "
-                   "timeout.")
-          raise TimeoutError(f"Table.sample({batch_size}) timed out after {timeout} s: {why}")
+            why.append(f"only {int(cnt)} eligible items (need min_valid={min_valid}"
+                       + (f"; max_staleness={spec.max_staleness} at version {int(ver)}"
+                          if spec.max_staleness is not None else "")
+                       + ("; restricted by where" if where is not None else "")
+                       + "); insert more (fresh) items or lower min_valid")
+          why = "; and ".join(why)
+          raise TimeoutError(f"Table.sample({batch_size}) timed out after {timeout} s: {why}, "
+                             "or pass a larger timeout.")
 
   # -- other mutations --------------------------------------------------------------
   def update_priorities(self, slots, keys, priorities) -> None:
@@ -661,7 +674,7 @@ class Table:
     s = _as_array(slots, f"{what} slots")
     k = _as_array(keys, f"{what} keys")
     for name, a in (("slots", s), ("keys", k)):
-      if a.dtype.kind not in "iu":
+      if a.dtype.kind not in "iu" and a.size:  # [] is float64 in numpy
         raise TypeError(f"{what}: {name} must be integers, got dtype {a.dtype.name}.")
       if a.ndim != 1:
         raise ValueError(f"{what}: {name} must be 1-D [K], got shape {list(a.shape)}.")
@@ -679,36 +692,43 @@ class Table:
     return s.astype(np.int32), k.astype(np.uint32)
 
   def _where(self, where, what):
-    """(bool[C] mask or None, {column: int32[K] values}) from a ``where`` argument."""
+    """``(mask, cols)`` for the jitted ops from a ``where`` argument, or ``(None, None)``.
+
+    ``mask``: bool[C] (all True for a dict); ``cols``: every metadata column
+    -> (int32[K] allowed values, bool[] active); K is a power-of-two bucket
+    >= 4 (padded by repeating a value, membership unchanged).
+    """
     if where is None:
-      return None, {}
+      return None, None
     spec = self.spec
+    cols = {c: (np.zeros(4, np.int32), np.bool_(False)) for c in spec.metadata}
     if isinstance(where, Mapping):
-      cols = {}
       for col, vals in where.items():
         if col not in spec.metadata:
-          raise ValueError(f"{what}: where column {col!r} is unknown; the spec declares "
+          raise ValueError(f"{what}: unknown where column {col!r}; the spec declares "
                            f"{list(spec.metadata)}.")
         a = _as_array(vals, f"{what} where[{col!r}]")
+        if a.size == 0:
+          raise ValueError(f"{what}: where[{col!r}] must be an int or a non-empty sequence "
+                           "of ints, got an empty sequence.")
         if a.dtype.kind not in "iu":
           raise TypeError(f"{what}: where[{col!r}] must be an int or a sequence of ints, got "
                           f"dtype {a.dtype.name}.")
-        if a.ndim > 1 or a.size == 0:
-          raise ValueError(f"{what}: where[{col!r}] must be an int or a non-empty 1-D sequence "
-                           f"of ints, got shape {list(a.shape)}.")
+        if a.ndim > 1:
+          raise ValueError(f"{what}: where[{col!r}] must be an int or a 1-D sequence of ints, "
+                           f"got shape {list(a.shape)}.")
         a = _int_rows(a.reshape(-1), a.size, f"{what} where[{col!r}]")
-        # Pad by repeating a value (membership unchanged) to bound recompiles.
-        n = _bucket(a.size, 2**30)
-        cols[col] = np.concatenate([a, np.full(n - a.size, a[0], np.int32)])
-      return None, cols
-    m = _as_array(where, f"{what} where")
+        n = max(4, _bucket(a.size, 2**30))
+        cols[col] = (np.concatenate([a, np.full(n - a.size, a[0], np.int32)]), np.bool_(True))
+      return np.ones(spec.capacity, bool), cols
+    m = where if isinstance(where, jax.Array) else _as_array(where, f"{what} where")
     if m.dtype != np.bool_:
       raise TypeError(f"{what}: where must be a bool[{spec.capacity}] mask or a dict "
-                      f"column -> values, got dtype {m.dtype.name}.")
+                      f"column -> values, got dtype {np.dtype(m.dtype).name}.")
     if m.shape != (spec.capacity,):
       raise ValueError(f"{what}: where mask must have shape [{spec.capacity}] (one per slot), "
                        f"got {list(m.shape)}.")
-    return m, {}
+    return m, cols
 
 
 def _check_int(x, what: str, lo: int = _I32.min, hi: int = _I32.max) -> int:
