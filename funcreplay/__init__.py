@@ -14,6 +14,7 @@ from funcreplay.sharding import ShardedTable, make_sharded_table
 from funcreplay.signature import Signature, check_items
 from funcreplay.spec import TableSpec, queue, stack
 from funcreplay.state import Sample, SampleInfo, TableState, state_counters
+from funcreplay.table import Table, TableClosedError
 
 __version__ = "0.1.0"
 
@@ -22,5 +23,5 @@ __all__ = [
     "SampleToInsertRatio", "Stack", "importance_weights", "Fifo", "Lifo", "MaxHeap",
     "MinHeap", "Prioritized", "Uniform", "Signature", "check_items", "TableSpec", "queue",
     "stack", "Sample", "SampleInfo", "TableState", "counters", "state_counters",
-    "ShardedTable", "make_sharded_table",
+    "ShardedTable", "make_sharded_table", "Table", "TableClosedError",
 ]
