@@ -20,10 +20,10 @@ demo: $(STAMP)
 	$(PY) experiments/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 bench: $(STAMP)
 	$(PY) experiments/benchmark.py
