@@ -15,20 +15,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from funcreplay import counters as ctr
-from funcreplay import indexes
+from funcreplay import indexes, inplace, trees
 from funcreplay import rate_limiters as rl
 from funcreplay import selectors as sel
-from funcreplay import trees
 from funcreplay.spec import TableSpec
 from funcreplay.state import TableState
-
 
 # --- helpers ----------------------------------------------------------------
 
 def _batch_size(spec: TableSpec, items) -> int:
   leaves = spec.signature.treedef.flatten_up_to(items)
   sizes = set()
-  for name, s, leaf in zip(spec.signature.names, spec.signature.leaves, leaves):
+  for name, s, leaf in zip(spec.signature.names, spec.signature.leaves, leaves, strict=True):
     shape = tuple(jnp.shape(leaf))
     if shape[1:] != tuple(s.shape) or len(shape) != len(s.shape) + 1:
       raise ValueError(f"insert: item leaf {name}: expected shape [B, "
@@ -78,9 +76,12 @@ def _key_matches(state: TableState, slots, keys):
 def _remove(state: TableState, slots, mask, cause: str) -> TableState:
   """Free ``slots[mask]`` (unique), counting them under ``cause``. Trees not refreshed."""
   n = jnp.sum(mask).astype(jnp.uint32)
+  reuse = state.times_sampled[slots]
+  # The caller may overwrite times_sampled next (insert): order that after this read.
+  state = state.replace(times_sampled=inplace.tie(state.times_sampled, inplace.never(reuse)))
   c = dict(state.counters)
   c[cause] = ctr.add(c[cause], n)
-  c["removed_reuse_sum"] = ctr.add_sum(c["removed_reuse_sum"], state.times_sampled[slots], mask)
+  c["removed_reuse_sum"] = ctr.add_sum(c["removed_reuse_sum"], reuse, mask)
   occupied = state.occupied.at[jnp.where(mask, slots, state.occupied.shape[0])].set(
       False, mode="drop")
   return state.replace(occupied=occupied, counters=c)
@@ -90,7 +91,8 @@ def _scatter_rows(tree_data, slots, rows_data, write):
   """Write ``rows_data[i]`` into ``slots[i]`` where ``write[i]`` (slots unique)."""
   c = jax.tree_util.tree_leaves(tree_data)[0].shape[0]
   idx = jnp.where(write, slots, c)
-  return jax.tree_util.tree_map(lambda buf, x: buf.at[idx].set(x, mode="drop"), tree_data, rows_data)
+  return jax.tree_util.tree_map(lambda buf, x: buf.at[idx].set(x, mode="drop"), tree_data,
+                                rows_data)
 
 
 # --- insert -----------------------------------------------------------------
@@ -136,7 +138,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     prios, n_bad = _rows(default, b, jnp.float32, "priority"), jnp.uint32(0)
   else:
     prios, n_bad = _sanitize_priorities(_rows(priority, b, jnp.float32, "insert priority"), mask)
-  meta_rows = {k: _rows(metadata.get(k, 0), b, jnp.int32, f"metadata[{k!r}]") for k in spec.metadata}
+  meta_rows = {k: _rows(metadata.get(k, 0), b, jnp.int32, f"metadata[{k!r}]")
+               for k in spec.metadata}
 
   rank = jnp.cumsum(mask.astype(jnp.int32)) - 1
   n_real = jnp.sum(mask.astype(jnp.int32))
@@ -248,7 +251,8 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
   return indexes.refresh(spec, state, safe, win)
 
 
-def set_metadata(spec: TableSpec, state: TableState, slots, keys, column: str, values) -> TableState:
+def set_metadata(spec: TableSpec, state: TableState, slots, keys, column: str,
+                 values) -> TableState:
   """Set metadata ``column`` where the slot still holds ``keys`` (last write wins)."""
   if column not in spec.metadata:
     raise ValueError(f"set_metadata: unknown column {column!r}; the spec declares "
