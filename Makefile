@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[torch,test,experiments]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[torch,test,experiments,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP)
