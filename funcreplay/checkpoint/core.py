@@ -1,0 +1,299 @@
+"""The pure layer: ``save(path, state, spec)`` / ``restore(path, spec=None)``.
+
+A state is either an ordinary ``TableState`` (slot columns ``[C]``) or a
+sharded one from ``funcreplay.sharding`` (every leaf ``[S, ...]``); the
+manifest records which (``num_shards``). Sharded states are gathered to the
+host before writing (``sharding.gather_state``; in one process every shard is
+addressable) and laid out again on restore with ``sharding.shard_state``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import jax
+import numpy as np
+
+from funcreplay import sharding as shd
+from funcreplay import state as state_lib
+from funcreplay.checkpoint import format as fmt
+from funcreplay.checkpoint import layout, migrate, spec_codec
+from funcreplay.checkpoint.errors import CheckpointError
+from funcreplay.spec import TableSpec
+from funcreplay.state import TableState
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """What ``restore`` returns. Unpacks as ``state, spec = restore(path)``.
+
+  Attributes:
+    state: the ``TableState`` (JAX arrays; laid out on ``mesh`` for a sharded
+      checkpoint; numpy arrays with ``as_numpy=True``).
+    spec: the ``TableSpec`` (the caller's, or decoded from the manifest).
+    host: ``{"version": int, "rng": np.uint32[2]}`` of the host ``Table``
+      that was saved, or None for a pure-layer checkpoint.
+    extra: the JSON ``extra`` given to ``save`` (None if none).
+    path: the checkpoint directory actually read.
+    num_shards: S for a sharded checkpoint, else None.
+  """
+
+  state: TableState
+  spec: TableSpec
+  host: Optional[Dict[str, Any]]
+  extra: Any
+  path: str
+  num_shards: Optional[int]
+
+  def __iter__(self):
+    return iter((self.state, self.spec))
+
+
+def _leaf_name(path) -> str:
+  return jax.tree_util.keystr(path)
+
+
+@functools.lru_cache(maxsize=64)
+def _expected(spec: TableSpec, num_shards: Optional[int]) -> Tuple[Any, Tuple[Any, ...]]:
+  """``(treedef, ((leaf name, shape, np.dtype), ...))`` of a state of ``spec``."""
+  local = spec if num_shards is None else spec.replace(capacity=spec.capacity // num_shards)
+  shapes = jax.eval_shape(functools.partial(state_lib.init_state, local))
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  lead = () if num_shards is None else (num_shards,)
+  return treedef, tuple((_leaf_name(p), lead + tuple(s.shape), np.dtype(s.dtype))
+                        for p, s in leaves)
+
+
+def _num_shards(state: TableState, spec: TableSpec) -> Optional[int]:
+  nd = np.ndim(state.occupied)
+  if nd == 1:
+    return None
+  if nd == 2:
+    s = int(np.shape(state.occupied)[0])
+    if s >= 1 and spec.capacity % s == 0:
+      return s
+  raise ValueError(f"save: state.occupied has shape {list(np.shape(state.occupied))}; expected "
+                   f"[{spec.capacity}] (a table of this spec) or [S, {spec.capacity} // S] "
+                   "(a sharded table).")
+
+
+def _check_state(state: TableState, spec: TableSpec, num_shards: Optional[int]) -> None:
+  treedef, expected = _expected(spec, num_shards)
+  got, got_def = jax.tree_util.tree_flatten_with_path(state)
+  if got_def != treedef:
+    raise ValueError(f"save: the state's structure does not match the spec.\n  expected: "
+                     f"{treedef}\n  got:      {got_def}")
+  for (name, shape, dtype), (_, leaf) in zip(expected, got, strict=True):
+    if tuple(np.shape(leaf)) != shape or np.dtype(leaf.dtype) != dtype:
+      raise ValueError(f"save: state{name} is {np.dtype(leaf.dtype).name}{list(np.shape(leaf))}, "
+                       f"the spec needs {dtype.name}{list(shape)}.")
+
+
+def save(path, state: TableState, spec: TableSpec, *, extra: Any = None,
+         overwrite: bool = False, fsync: bool = True,
+         host: Optional[Dict[str, Any]] = None) -> str:
+  """Write ``state`` (and ``spec``) as a checkpoint directory at ``path``, atomically.
+
+  Args:
+    path: the checkpoint directory to create (its parent must exist).
+    state: a ``TableState`` of ``spec`` (device or numpy arrays), or a sharded
+      state (leaves ``[S, ...]``, ``spec`` the global spec).
+    spec: the table's ``TableSpec``.
+    extra: optional JSON-able value stored in the manifest (e.g. the learner
+      step); comes back as ``Restored.extra``.
+    overwrite: replace an existing checkpoint at ``path``.
+    fsync: make the checkpoint durable against power loss / OS crashes
+      (default). False skips every fsync: still atomic and safe against
+      process crashes (``kill -9``), and as fast as the page cache.
+    host: host-table extras ``{"version": int, "rng": uint32[2]}`` (set by
+      ``save_table``).
+
+  Returns:
+    The absolute path written.
+
+  Every leaf is written bit-exactly (one ``.npy`` per leaf), with a CRC-32
+  per file in ``manifest.json``; see ``funcreplay.checkpoint.format`` for the
+  crash-safety protocol. A sharded state spanning several processes
+  (``jax.distributed``) must be saved by every process (the gather is
+  collective); only process 0 writes.
+  """
+  if not isinstance(spec, TableSpec):
+    raise TypeError(f"save expects a TableSpec, got {type(spec).__name__}.")
+  if not isinstance(state, TableState):
+    raise TypeError(f"save expects a TableState, got {type(state).__name__}.")
+  num_shards = _num_shards(state, spec)
+  _check_state(state, spec, num_shards)
+  try:
+    extra_json = json.loads(json.dumps(extra, allow_nan=False))
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"save: extra must be JSON-serialisable (dicts, lists, str, finite numbers), "
+                    f"got {type(extra).__name__}: {e}") from None
+  host_np = shd.gather_state(state) if num_shards is not None else jax.device_get(state)
+  if num_shards is not None and jax.process_count() > 1 and jax.process_index() != 0:
+    # Across processes every process joins the gather (a collective) and
+    # process 0 alone writes (to a filesystem all of them can read). Others
+    # return at once: synchronise (multihost_utils.sync_global_devices)
+    # before reading the checkpoint elsewhere.
+    return os.path.abspath(os.fspath(path))
+  leaves, _ = jax.tree_util.tree_flatten_with_path(host_np)
+  arrays = [(_leaf_name(p), np.asarray(x)) for p, x in leaves]
+  from funcreplay import __version__  # noqa: PLC0415 (avoid an import cycle)
+  header = {
+      "funcreplay_version": __version__,
+      "created_unix": time.time(),
+      "spec": spec_codec.spec_to_json(spec),
+      "num_shards": num_shards,
+      "host": None if host is None else {"version": int(host["version"]),
+                                         "rng": [int(v) for v in np.asarray(host["rng"])]},
+      "extra": extra_json,
+  }
+  return fmt.write_dir(path, arrays, header, overwrite=overwrite, fsync=fsync)
+
+
+def resolve(path) -> str:
+  """``path`` itself if it is a checkpoint, else the newest ``ckpt-<step>`` inside it."""
+  path = os.fspath(path)
+  if os.path.isfile(os.path.join(path, fmt.MANIFEST)):
+    return path
+  newest = layout.latest(path)
+  if newest is not None:
+    return newest
+  if os.path.isdir(path) and not any(n.startswith(layout.PREFIX) for n in os.listdir(path)):
+    raise CheckpointError(f"{path!r} holds no checkpoint (no {fmt.MANIFEST} and no complete "
+                          f"{layout.PREFIX}<step> directory).")
+  return path  # read_manifest names what is missing
+
+
+def _check_arrays(manifest, spec: TableSpec, num_shards: Optional[int], where: str):
+  treedef, expected = _expected(spec, num_shards)
+  entries = manifest["arrays"]
+  names = [e.get("leaf") for e in entries]
+  want = [n for n, _, _ in expected]
+  if names != want:
+    missing = sorted(set(want) - set(names))
+    unexpected = sorted(set(names) - set(want))
+    raise CheckpointError(f"{where}: the checkpoint's arrays do not match the spec's state "
+                          f"(missing {missing}, unexpected {unexpected}).")
+  for e, (name, shape, dtype) in zip(entries, expected, strict=True):
+    if tuple(e["shape"]) != shape or e["dtype"] != dtype.name:
+      raise CheckpointError(f"{where}: array {name} is {e['dtype']}{e['shape']} in the manifest, "
+                            f"the spec needs {dtype.name}{list(shape)}.")
+  return treedef
+
+
+def _check_placement(path, num_shards, mesh, axis, as_numpy) -> None:
+  """Errors about ``mesh=`` before any array is read."""
+  if as_numpy:
+    return
+  if num_shards is not None:
+    if mesh is None:
+      raise CheckpointError(f"{path}: a sharded checkpoint ({num_shards} shards); pass mesh= "
+                            "(and axis=) to lay it out, or as_numpy=True.")
+    if axis not in mesh.shape or int(mesh.shape[axis]) != num_shards:
+      raise CheckpointError(f"{path}: saved with {num_shards} shards but mesh axis {axis!r} has "
+                            f"{dict(mesh.shape).get(axis)} devices; re-sharding to another "
+                            "count is not supported.")
+  elif mesh is not None:
+    raise CheckpointError(f"{path}: an unsharded checkpoint; restore it without mesh=, or "
+                          "shard a table with funcreplay.sharding instead.")
+
+
+def restore(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bool = False,
+            mesh=None, axis: str = "data", as_numpy: bool = False) -> Restored:
+  """Read a checkpoint written by ``save`` (or the newest one in a directory of them).
+
+  Args:
+    path: a checkpoint directory, or a directory of ``ckpt-<step>``
+      checkpoints (the newest complete one is read).
+    spec: the spec to restore into (checked against the saved one; every
+      difference is listed in the error). None: use the saved spec.
+    allow_capacity_growth: allow ``spec.capacity`` larger than the saved one
+      (see ``funcreplay.checkpoint.migrate`` for how slots are laid out).
+    mesh, axis: for a sharded checkpoint, the mesh to lay the state out on
+      (``mesh.shape[axis]`` must equal the saved number of shards).
+    as_numpy: return numpy arrays (no device placement; any checkpoint).
+
+  Returns:
+    ``Restored`` (unpacks as ``state, spec``).
+
+  Raises:
+    CheckpointError (a ValueError) naming the file or spec field at fault:
+    missing / incomplete / corrupted / truncated files, checksum
+    mismatches, or a spec that does not fit. Nothing is returned unless
+    every array was read and verified.
+  """
+  path = resolve(path)
+  manifest = fmt.read_manifest(path)
+  mpath = os.path.join(path, fmt.MANIFEST)
+  try:
+    saved = manifest["spec"]
+    num_shards = manifest["num_shards"]
+    host = manifest["host"]
+    extra = manifest.get("extra")
+  except KeyError as e:
+    raise CheckpointError(f"{mpath}: the manifest lacks {e}; it is corrupted.") from None
+  if spec is None:
+    spec = spec_codec.spec_from_json(saved)
+    saved_spec = spec
+  else:
+    if not isinstance(spec, TableSpec):
+      raise TypeError(f"restore: spec must be a TableSpec or None, got {type(spec).__name__}.")
+    try:
+      diffs = spec_codec.spec_diffs(saved, spec, allow_capacity_growth=allow_capacity_growth)
+    except (KeyError, TypeError, AttributeError) as e:
+      raise CheckpointError(f"{mpath}: the saved spec is malformed ({type(e).__name__}: {e}); "
+                            "the manifest is corrupted.") from None
+    if diffs:
+      raise CheckpointError(f"{path}: the checkpoint does not fit the given spec:\n  - "
+                            + "\n  - ".join(diffs))
+    saved_spec = spec.replace(capacity=saved["capacity"])
+  if num_shards is not None and spec.capacity % num_shards:
+    raise CheckpointError(f"{path}: capacity {spec.capacity} is not a multiple of the "
+                          f"checkpoint's {num_shards} shards.")
+  _check_placement(path, num_shards, mesh, axis, as_numpy)
+  treedef = _check_arrays(manifest, saved_spec, num_shards, mpath)
+  arrays = fmt.read_arrays(path, manifest)
+  state = jax.tree_util.tree_unflatten(treedef, arrays)
+  if spec.capacity != saved_spec.capacity:
+    state = (migrate.grow(saved_spec, spec, state) if num_shards is None
+             else migrate.grow_sharded(saved_spec, spec, state, num_shards))
+  if host is not None:
+    host = {"version": int(host["version"]), "rng": np.asarray(host["rng"], np.uint32)}
+  if as_numpy:
+    pass
+  elif num_shards is not None:
+    state = shd.shard_state(state, mesh, axis)
+  else:
+    state = jax.device_put(state)
+  return Restored(state=state, spec=spec, host=host, extra=extra, path=path,
+                  num_shards=num_shards)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+  """Manifest summary of a checkpoint (``info(path)``); reads no arrays."""
+
+  path: str
+  spec: Dict[str, Any]
+  num_shards: Optional[int]
+  funcreplay_version: str
+  created_unix: float
+  nbytes: int
+  files: List[str]
+  extra: Any
+
+
+def info(path) -> CheckpointInfo:
+  """Read only the manifest of a checkpoint (or the newest one in a directory)."""
+  path = resolve(path)
+  m = fmt.read_manifest(path)
+  return CheckpointInfo(path=path, spec=m.get("spec"), num_shards=m.get("num_shards"),
+                        funcreplay_version=m.get("funcreplay_version"),
+                        created_unix=m.get("created_unix"),
+                        nbytes=sum(int(e.get("nbytes", 0)) for e in m["arrays"]),
+                        files=[e.get("file") for e in m["arrays"]], extra=m.get("extra"))

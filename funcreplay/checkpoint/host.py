@@ -1,0 +1,83 @@
+"""Checkpoints of the host ``Table``: ``save_table`` / ``restore_table``.
+
+``save_table`` does **not** quiesce the table: it holds the table's lock only
+while it copies the device state (``Table.snapshot``) and reads the host PRNG
+key and policy version, so the three are mutually consistent; the copy is
+then written to disk without the lock, while inserts and samples continue.
+A restored table therefore continues exactly where the table stood at the
+snapshot: same items, counters, limiter state, PRNG key and version, hence
+the same samples for the same subsequent calls.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from funcreplay.checkpoint import core, layout
+from funcreplay.checkpoint.errors import CheckpointError
+from funcreplay.spec import TableSpec
+
+
+def snapshot_table(table):
+  """``(state copy, {"version", "rng"})`` of ``table``, taken under one hold of its lock."""
+  return table.checkpoint_state()
+
+
+def save_table(table, path, *, step: Optional[int] = None, keep_last: Optional[int] = None,
+               extra: Any = None, overwrite: bool = False, fsync: bool = True) -> str:
+  """Save a host ``Table`` (state, spec, PRNG key, version); returns the checkpoint path.
+
+  Args:
+    table: a ``funcreplay.Table``.
+    path: with ``step`` and ``keep_last`` both None, the checkpoint directory
+      itself. Otherwise a directory of numbered checkpoints: the checkpoint
+      goes to ``path/ckpt-<step>`` (``step`` default: one past the newest)
+      and older ones beyond the newest ``keep_last`` are deleted afterwards.
+    step: checkpoint number (int >= 0).
+    keep_last: how many numbered checkpoints to keep (None: all).
+    extra: JSON-able value stored with the checkpoint.
+    overwrite: replace an existing checkpoint of the same path / step.
+    fsync: durable against power loss (default); False: against process
+      crashes only, faster (see ``funcreplay.checkpoint.format``).
+
+  The table keeps serving while the files are written: the lock is held only
+  for the device-to-device snapshot.
+  """
+  state, host = snapshot_table(table)
+  if step is None and keep_last is None:
+    return core.save(path, state, table.spec, extra=extra, overwrite=overwrite, fsync=fsync,
+                     host=host)
+  os.makedirs(os.fspath(path), exist_ok=True)
+  target = layout.step_path(path, layout.next_step(path) if step is None else step)
+  out = core.save(target, state, table.spec, extra=extra, overwrite=overwrite, fsync=fsync,
+                  host=host)
+  if keep_last is not None:
+    layout.prune(path, keep_last)
+  return out
+
+
+def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bool = False,
+                  seed: int = 0):
+  """A new ``Table`` from a checkpoint (or from the newest one in a directory of them).
+
+  Args:
+    path: checkpoint directory or directory of ``ckpt-<step>`` checkpoints.
+    spec: spec to restore into (checked; None: the saved spec).
+    allow_capacity_growth: allow a larger ``spec.capacity`` (see
+      ``funcreplay.checkpoint.migrate``).
+    seed: seeds the PRNG key when the checkpoint came from the pure layer
+      (``save``), which has no host key; a table checkpoint continues its own
+      key.
+
+  Returns:
+    ``funcreplay.Table`` with the saved state, PRNG key and policy version.
+  """
+  from funcreplay.table import Table  # noqa: PLC0415 (table imports this package lazily)
+  r = core.restore(path, spec, allow_capacity_growth=allow_capacity_growth, as_numpy=True)
+  if r.num_shards is not None:
+    raise CheckpointError(f"{r.path}: a sharded checkpoint ({r.num_shards} shards) cannot become "
+                          "a host Table; use funcreplay.checkpoint.restore(path, mesh=...).")
+  if r.host is None:
+    return Table.from_state(r.spec, r.state, seed=seed)
+  return Table.from_state(r.spec, r.state, version=r.host["version"], rng=r.host["rng"])
