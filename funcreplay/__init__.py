@@ -4,8 +4,16 @@ The buffer is a value (``TableState``, a pytree of preallocated arrays)
 transformed by pure, jit-compatible functions built by ``make_table(spec)``.
 """
 
-from funcreplay import counters
+from funcreplay import checkpoint, counters
+from funcreplay.checkpoint import CheckpointError, PeriodicCheckpointer, restore, save
 from funcreplay.functional import FunctionalTable, make_table
+from funcreplay.ingest import (
+    Ingestor,
+    IngestorClosedError,
+    IngestorError,
+    IngestorFullError,
+    IngestorStats,
+)
 from funcreplay.ops import Stats
 from funcreplay.rate_limiters import MinSize, Queue, RateLimiter, SampleToInsertRatio, Stack
 from funcreplay.sampling import importance_weights
@@ -15,6 +23,7 @@ from funcreplay.signature import Signature, check_items
 from funcreplay.spec import TableSpec, queue, stack
 from funcreplay.state import Sample, SampleInfo, TableState, state_counters
 from funcreplay.table import Table, TableClosedError
+from funcreplay.writers import SequenceWriter, WriterStats, sequence_signature
 
 __version__ = "0.1.0"
 
@@ -23,5 +32,8 @@ __all__ = [
     "SampleToInsertRatio", "Stack", "importance_weights", "Fifo", "Lifo", "MaxHeap",
     "MinHeap", "Prioritized", "Uniform", "Signature", "check_items", "TableSpec", "queue",
     "stack", "Sample", "SampleInfo", "TableState", "counters", "state_counters",
-    "ShardedTable", "make_sharded_table", "Table", "TableClosedError",
+    "ShardedTable", "make_sharded_table", "Table", "TableClosedError", "checkpoint",
+    "CheckpointError", "PeriodicCheckpointer", "save", "restore", "Ingestor",
+    "IngestorClosedError", "IngestorError", "IngestorFullError", "IngestorStats",
+    "SequenceWriter", "WriterStats", "sequence_signature",
 ]

@@ -604,6 +604,17 @@ class Table:
       self._check_open("snapshot")
       return self._ops.copy(self._state)
 
+  def checkpoint_state(self) -> tuple:
+    """``(snapshot(), host_state())`` taken under one hold of the lock.
+
+    No insert or sample can run between the two reads, so a checkpoint's PRNG
+    key always matches its state.
+    """
+    with self._cond:
+      self._check_open("checkpoint_state")
+      return self._ops.copy(self._state), dict(version=self._version,
+                                               rng=np.array(self._rng, dtype=np.uint32))
+
   def rng_key(self) -> jax.Array:
     """The host PRNG key (uint32[2]) the next sample will split."""
     with self._cond:
