@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from funcreplay import signature as sig_lib
-from funcreplay.ingest import ItemChecker
+from funcreplay.itemcheck import ItemChecker
 
 
 def sequence_signature(step_signature: Any, length: int, *, pad: bool = False):

@@ -24,9 +24,8 @@ from funcreplay.ingest import (
   IngestorClosedError,
   IngestorError,
   IngestorFullError,
-  ItemChecker,
-  stack_leaf,
 )
+from funcreplay.itemcheck import ItemChecker, stack_leaf
 from funcreplay.table import Table, TableClosedError
 from tests.helpers import ITEM
 
