@@ -12,12 +12,15 @@ round-robin:
 * ``np.save`` of the same arrays, one file each, no fsync (data may still sit
   in the page cache when it returns);
 * ``np.save`` + ``fsync`` per file (the same durability as the checkpoint);
-* ``funcreplay.checkpoint.restore`` (reads, verifies every CRC, puts the
-  arrays on the device);
-* ``np.load`` of the np.save files.
+* ``funcreplay.checkpoint.restore(as_numpy=True)`` (reads, verifies every
+  CRC) against ``np.load`` of the np.save files;
+* the same with ``verify=False`` (no CRC pass);
+* ``funcreplay.checkpoint.restore`` (the same, then ``jax.device_put``)
+  against ``np.load`` + ``jax.device_put``.
 
 Reads come from the page cache (the files were just written), for both.
-Medians over ``--repeats``.
+``os.sync()`` runs before every measurement, so no writer pays for another's
+dirty pages. Medians over ``--repeats``.
 
   python experiments/bench_checkpoint.py --items=1000000 --out=results/bench_checkpoint.json
 """
@@ -99,12 +102,17 @@ def measure(items: int, repeats: int, directory: str) -> dict:
   arrays = [np.asarray(x) for x in jax.tree_util.tree_leaves(jax.device_get(state))]
   nbytes = sum(a.nbytes for a in arrays)
   times = {k: [] for k in ("fr_save", "fr_save_nofsync", "np_save", "np_save_fsync",
-                           "fr_restore", "np_load", "snapshot")}
+                           "fr_restore_host", "fr_restore_noverify", "np_load", "fr_restore",
+                           "np_load_put",
+                           "snapshot")}
   table = fr.Table.from_state(spec, state)
   for r in range(repeats):
     paths = {k: os.path.join(directory, f"{k}-{r}") for k in ("fr", "frn", "np", "npf")}
 
     def timed(key, fn):
+      # Start every measurement with no dirty pages: otherwise a writer without
+      # fsync pays for the previous one's writeback (the kernel throttles it).
+      os.sync()
       t0 = time.perf_counter()
       out = fn()
       jax.block_until_ready(out)
@@ -116,8 +124,13 @@ def measure(items: int, repeats: int, directory: str) -> dict:
           lambda: ck.save(paths["frn"], state, spec, fsync=False))  # noqa: B023
     timed("np_save", lambda: _np_save(paths["np"], arrays, False))  # noqa: B023
     timed("np_save_fsync", lambda: _np_save(paths["npf"], arrays, True))  # noqa: B023
-    got = timed("fr_restore", lambda: ck.restore(paths["fr"]).state)  # noqa: B023
+    timed("fr_restore_host", lambda: ck.restore(paths["fr"], as_numpy=True).state)  # noqa: B023
+    timed("fr_restore_noverify",
+          lambda: ck.restore(paths["fr"], as_numpy=True, verify=False).state)  # noqa: B023
     loaded = timed("np_load", lambda: _np_load(paths["np"], len(arrays)))  # noqa: B023
+    got = timed("fr_restore", lambda: ck.restore(paths["fr"]).state)  # noqa: B023
+    timed("np_load_put",
+          lambda: jax.device_put(_np_load(paths["np"], len(arrays))))  # noqa: B023
     if r == 0:  # the restore is bit-exact (checked once, outside the timings)
       for a, b in zip(arrays, jax.tree_util.tree_leaves(got), strict=True):
         assert a.tobytes() == np.asarray(b).tobytes()
@@ -141,7 +154,9 @@ def _rows(res: dict) -> list:
       ("save", "fr_save", "np_save", "np.save (no fsync)"),
       ("save", "fr_save", "np_save_fsync", "np.save + fsync"),
       ("save fsync=False", "fr_save_nofsync", "np_save", "np.save (no fsync)"),
-      ("restore", "fr_restore", "np_load", "np.load"),
+      ("restore to host", "fr_restore_host", "np_load", "np.load"),
+      ("restore to host verify=False", "fr_restore_noverify", "np_load", "np.load"),
+      ("restore to device", "fr_restore", "np_load_put", "np.load + device_put"),
   ]:
     rows.append(dict(section="checkpoint", case=f"{op} {case}", funcreplay=g[ours], peer=g[peer],
                      peer_name=name, unit="GB/s", ratio=g[ours] / g[peer]))
@@ -169,9 +184,9 @@ def main(_):
   rows = _rows(res)
   print(f"jax {jax.__version__}, {os.cpu_count()} CPUs, disk {res['disk']}, "
         f"{res['bytes'] / 1e9:.3f} GB of state, median of {res['repeats']}")
-  print(f"{'case':<40} {'funcreplay':>11} {'peer':>11} {'ratio':>7}  peer")
+  print(f"{'case':<46} {'funcreplay':>11} {'peer':>11} {'ratio':>7}  peer")
   for r in rows:
-    print(f"{r['case']:<40} {r['funcreplay']:>7.3f} GB/s {r['peer']:>6.3f} GB/s "
+    print(f"{r['case']:<46} {r['funcreplay']:>7.3f} GB/s {r['peer']:>6.3f} GB/s "
           f"{r['ratio']:>7.2f}  {r['peer_name']}")
   print(_summary(res))
   if FLAGS.out:

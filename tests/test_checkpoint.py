@@ -295,6 +295,8 @@ def test_truncated_file_is_named(saved, tmp_path):
     fh.truncate(os.path.getsize(f) - 5)
   with pytest.raises(ck.CheckpointError, match="data.obs.npy.*truncated"):
     fr.Table.restore(p)
+  with pytest.raises(ck.CheckpointError, match="data.obs.npy.*truncated"):
+    fr.Table.restore(p, verify=False)  # lengths are checked even without checksums
 
 
 def test_corrupted_byte_fails_checksum(saved, tmp_path):
@@ -305,6 +307,8 @@ def test_corrupted_byte_fails_checksum(saved, tmp_path):
   open(f, "wb").write(bytes(raw))
   with pytest.raises(ck.CheckpointError, match="priority.npy: checksum mismatch"):
     ck.restore(p)
+  r = ck.restore(p, verify=False, as_numpy=True)  # explicitly unchecked: loads the bad bits
+  assert r.state.priority.tobytes() != ck.restore(saved[1], as_numpy=True).state.priority.tobytes()
 
 
 def test_missing_file_and_bad_manifest(saved, tmp_path):

@@ -23,7 +23,9 @@ the spec as JSON, host state, user ``extra``, and per file: leaf, shape,
 dtype, bytes, CRC-32). No pickle anywhere (``allow_pickle=False`` both ways),
 nothing executable. Written to a temporary directory, every file fsynced,
 renamed atomically, parent fsynced: ``kill -9`` during a save leaves the
-previous checkpoint intact. ``directory/ckpt-<step>`` holds numbered
+previous checkpoint intact (``fsync=False`` trades power-loss safety for
+speed; ``restore(verify=False)`` skips the CRC pass on trusted storage).
+``directory/ckpt-<step>`` holds numbered
 checkpoints with keep-last-N (``layout.py``); ``restore(directory)`` picks the
 newest complete one.
 

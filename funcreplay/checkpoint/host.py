@@ -58,7 +58,7 @@ def save_table(table, path, *, step: Optional[int] = None, keep_last: Optional[i
 
 
 def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bool = False,
-                  seed: int = 0):
+                  seed: int = 0, verify: bool = True):
   """A new ``Table`` from a checkpoint (or from the newest one in a directory of them).
 
   Args:
@@ -69,12 +69,14 @@ def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_grow
     seed: seeds the PRNG key when the checkpoint came from the pure layer
       (``save``), which has no host key; a table checkpoint continues its own
       key.
+    verify: check CRC-32 checksums (see ``funcreplay.checkpoint.restore``).
 
   Returns:
     ``funcreplay.Table`` with the saved state, PRNG key and policy version.
   """
   from funcreplay.table import Table  # noqa: PLC0415 (table imports this package lazily)
-  r = core.restore(path, spec, allow_capacity_growth=allow_capacity_growth, as_numpy=True)
+  r = core.restore(path, spec, allow_capacity_growth=allow_capacity_growth, as_numpy=True,
+                   verify=verify)
   if r.num_shards is not None:
     raise CheckpointError(f"{r.path}: a sharded checkpoint ({r.num_shards} shards) cannot become "
                           "a host Table; use funcreplay.checkpoint.restore(path, mesh=...).")
