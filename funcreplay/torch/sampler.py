@@ -1,0 +1,280 @@
+"""``TorchSampler``: a torch iterator / ``IterableDataset`` over a host ``fr.Table``."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Callable, Optional, Union
+
+import jax
+import numpy as np
+import torch
+from torch.utils import data as torch_data
+
+from funcreplay.torch.batches import TorchBatch, _weights, sample_to_torch
+from funcreplay.torch.dlpack import OnCopy, _check_on_copy
+
+# --- the iterator ------------------------------------------------------------------------
+
+class _Stop:
+  """Marker put on the queue when a producer thread ends."""
+
+
+class _BatchIterator:
+  """One pass over a ``TorchSampler``: synchronous, or fed by a prefetch thread."""
+
+  def __init__(self, owner: "TorchSampler"):
+    self._owner = owner
+    self._count = 0
+    self._pending: list = []  # the other batches of a batches_per_call > 1 sample
+    self._done = False
+    self._error: Optional[BaseException] = None
+    self._stop = threading.Event()
+    self._queue: Optional[queue.Queue] = None
+    self._thread: Optional[threading.Thread] = None
+    if owner.prefetch > 0:
+      self._queue = queue.Queue(maxsize=owner.prefetch)
+      self._thread = threading.Thread(target=self._produce, name="funcreplay-torch-prefetch",
+                                      daemon=True)
+      self._thread.start()
+
+  def __iter__(self):
+    return self
+
+  def _limit_reached(self, produced: int) -> bool:
+    n = self._owner.num_batches
+    return n is not None and produced >= n
+
+  def _produce(self) -> None:
+    produced = 0
+    try:
+      while not self._stop.is_set() and not self._limit_reached(produced):
+        batch = self._owner._next_batch(self._stop, self._pending)  # noqa: SLF001
+        if batch is None:  # stopped while waiting
+          return
+        if not self._put(batch):
+          return
+        produced += 1
+      self._put(_Stop())
+    except BaseException as e:  # noqa: BLE001 (handed to the consumer, re-raised there)
+      self._put(e)
+
+  def _put(self, item) -> bool:
+    while not self._stop.is_set():
+      try:
+        self._queue.put(item, timeout=0.05)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def __next__(self) -> TorchBatch:
+    if self._error is not None:
+      raise self._error
+    if self._done or self._limit_reached(self._count):
+      self.close()
+      raise StopIteration
+    if self._queue is None:
+      batch = self._owner._next_batch(None, self._pending)  # noqa: SLF001
+    else:
+      while True:
+        try:
+          batch = self._queue.get(timeout=0.1)
+          break
+        except queue.Empty:
+          if not self._thread.is_alive() and self._queue.empty():
+            self._done = True
+            raise StopIteration from None
+      if isinstance(batch, _Stop):
+        self.close()
+        raise StopIteration
+      if isinstance(batch, BaseException):
+        self._error = batch
+        self.close()
+        raise batch
+    self._count += 1
+    return batch
+
+  def close(self) -> None:
+    """Stop the prefetch thread (waits for it); idempotent."""
+    self._done = True
+    self._stop.set()
+    t = self._thread
+    if t is not None and t is not threading.current_thread():
+      t.join()
+    self._owner._forget(self)  # noqa: SLF001
+
+
+class TorchSampler(torch_data.IterableDataset):
+  """Batches of torch tensors sampled from a host ``fr.Table``.
+
+  Iterating yields ``TorchBatch`` objects (``data``, ``valid``, ``info`` with
+  slot/key/probability/..., ``weights`` when ``beta`` is given). With
+  ``prefetch > 0`` a background thread samples and converts the next batches
+  while the learner works on the current one; errors in that thread are
+  re-raised in the consumer, and ``close()`` (or leaving a ``with`` block, or
+  exhausting ``num_batches``) stops it.
+
+  It is also a ``torch.utils.data.IterableDataset``: use
+  ``DataLoader(sampler, batch_size=None, num_workers=0)`` (the table lives in
+  this process, so worker processes are refused).
+
+  Args:
+    table: a ``fr.Table``.
+    batch_size: B rows per batch.
+    device: torch device of the batches ("cpu": zero copy from a CPU table;
+      "cuda" from a CPU table: pinned, non-blocking copies on the prefetch
+      thread; None: wherever the table's arrays live, zero copy).
+    version_fn: called before every sample; returns the learner's current
+      policy version (staleness mask + stats). None: the table's version.
+    where: passed to ``Table.sample`` (slot mask or metadata filter).
+    prefetch: batches sampled ahead on a background thread (0: sample
+      synchronously in ``next``).
+    timeout: seconds to wait for one batch (None: forever) -> TimeoutError.
+    beta: PER importance-weight exponent, a float or a function of the batch
+      index (annealing); None: no weights.
+    replace, min_valid: passed to ``Table.sample`` (``min_valid`` counts rows
+      of the whole call).
+    num_batches: stop after this many batches (None: never).
+    batches_per_call: sample ``batches_per_call * batch_size`` rows per
+      ``Table.sample`` call and hand them out as that many batches (zero-copy
+      slices). Amortises the per-call cost (dispatch, host sync, export) on
+      CPU; the batches of one call are drawn together (jointly without
+      replacement, from the priorities and version of that moment), as with
+      Reverb's in-flight samples. A ``SampleToInsertRatio`` window must admit
+      a whole call.
+    on_copy: what to do when a batch leaf could not be shared zero copy.
+  """
+
+  def __init__(self, table, batch_size: int, *, device="cpu", version_fn=None, where=None,
+               prefetch: int = 1, timeout: Optional[float] = None,
+               beta: Union[None, float, Callable[[int], float]] = None, replace: bool = False,
+               min_valid: Optional[int] = None, num_batches: Optional[int] = None,
+               batches_per_call: int = 1, on_copy: OnCopy = "warn"):
+    super().__init__()
+    if not hasattr(table, "sample") or not hasattr(table, "update_priorities"):
+      raise TypeError(f"TorchSampler expects a funcreplay Table, got {type(table).__name__}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+      raise ValueError(f"TorchSampler: batch_size must be an int >= 1, got {batch_size!r}.")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+      raise ValueError(f"TorchSampler: prefetch must be an int >= 0, got {prefetch!r}.")
+    if isinstance(batches_per_call, bool) or not isinstance(batches_per_call, int) \
+        or batches_per_call < 1:
+      raise ValueError(f"TorchSampler: batches_per_call must be an int >= 1, "
+                       f"got {batches_per_call!r}.")
+    if num_batches is not None and (isinstance(num_batches, bool)
+                                    or not isinstance(num_batches, int) or num_batches < 0):
+      raise ValueError(f"TorchSampler: num_batches must be None or an int >= 0, "
+                       f"got {num_batches!r}.")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+      raise ValueError(f"TorchSampler: timeout must be None or seconds >= 0, got {timeout!r}.")
+    if version_fn is not None and not callable(version_fn):
+      raise TypeError("TorchSampler: version_fn must be a callable returning an int.")
+    if beta is not None and not callable(beta) and (not isinstance(beta, (int, float))
+                                                    or not np.isfinite(beta) or beta < 0):
+      raise ValueError(f"TorchSampler: beta must be None, a number >= 0 or a callable, "
+                       f"got {beta!r}.")
+    _check_on_copy(on_copy)
+    self.table = table
+    self.batch_size = batch_size
+    self.device = None if device is None else torch.device(device)
+    self.version_fn = version_fn
+    self.where = where
+    self.prefetch = prefetch
+    self.timeout = None if timeout is None else float(timeout)
+    self.beta = beta
+    self.replace = bool(replace)
+    self.min_valid = min_valid
+    self.num_batches = num_batches
+    self.batches_per_call = batches_per_call
+    self.on_copy = on_copy
+    self._lock = threading.Lock()
+    self._iterators: list = []
+    self._default: Optional[_BatchIterator] = None
+    self._sampled = 0
+
+  # -- sampling --------------------------------------------------------------------------
+  def _beta(self, index: int) -> Optional[float]:
+    return self.beta(index) if callable(self.beta) else self.beta
+
+  def _next_batch(self, stop: Optional[threading.Event], pending: list) -> Optional[TorchBatch]:
+    """The next batch (from ``pending``, or a new sample); None if ``stop`` was set meanwhile."""
+    if pending:
+      return pending.pop(0)
+    deadline = None if self.timeout is None else time.monotonic() + self.timeout
+    while True:
+      # Wait in short slices so that close() is noticed promptly.
+      wait = 0.1 if stop is not None else None
+      if deadline is not None:
+        left = max(0.0, deadline - time.monotonic())
+        wait = left if wait is None else min(wait, left)
+      version = None if self.version_fn is None else self.version_fn()
+      try:
+        smp = self.table.sample(self.batch_size * self.batches_per_call, version=version,
+                                where=self.where, timeout=wait, replace=self.replace,
+                                min_valid=self.min_valid)
+        break
+      except TimeoutError:
+        if deadline is not None and time.monotonic() >= deadline:
+          raise
+        if stop is not None and stop.is_set():
+          return None
+    k = self.batches_per_call
+    with self._lock:
+      index = self._sampled
+      self._sampled += k
+    on_dev = self.device is None or self.device.type == "cpu"
+    big = sample_to_torch(smp, device=self.device, beta=None, on_copy=self.on_copy,
+                          non_blocking=not on_dev)
+    if not on_dev and self.device.type == "cuda" and stop is not None:
+      # The copies were issued on this thread's stream; finish them before handing over.
+      torch.cuda.current_stream(self.device).synchronize()
+    b = self.batch_size
+    for i in range(k):
+      part = big if k == 1 else jax.tree_util.tree_map(lambda t, i=i: t[i * b:(i + 1) * b], big)
+      beta = self._beta(index + i)
+      if beta is not None:
+        w = _weights(part.info.probability, part.valid, part.num_eligible, beta)
+        part = dataclasses.replace(part, weights=w)
+      pending.append(part)
+    return pending.pop(0)
+
+  # -- iteration ---------------------------------------------------------------------------
+  def __iter__(self) -> _BatchIterator:
+    if torch_data.get_worker_info() is not None:
+      raise RuntimeError("TorchSampler cannot run in DataLoader worker processes (the table "
+                         "lives in this process): use num_workers=0 and prefetch= instead.")
+    it = _BatchIterator(self)
+    with self._lock:
+      self._iterators.append(it)
+    return it
+
+  def __next__(self) -> TorchBatch:
+    if self._default is None:
+      self._default = iter(self)
+    return next(self._default)
+
+  def _forget(self, it) -> None:
+    with self._lock:
+      if it in self._iterators:
+        self._iterators.remove(it)
+
+  def close(self) -> None:
+    """Stop every prefetch thread of this sampler (waits for them)."""
+    with self._lock:
+      its = list(self._iterators)
+    for it in its:
+      it.close()
+    self._default = None
+
+  def __enter__(self) -> "TorchSampler":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def __repr__(self) -> str:
+    return (f"TorchSampler(batch_size={self.batch_size}, device={self.device}, "
+            f"prefetch={self.prefetch}, beta={self.beta!r})")
