@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench setup clean
+.PHONY: demo test test-all bench bench-small setup clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,12 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
 
+# No test XLA_FLAGS here: the cheap-compile flags of tests/conftest.py would distort timings.
 bench: $(STAMP)
-	$(PY) experiments/benchmark.py
+	$(PY) experiments/benchmark.py --out=results/benchmark.json --plot=results/benchmark.png
+
+bench-small: $(STAMP)
+	$(PY) experiments/benchmark.py --small --out=results/benchmark_small.json --plot=results/benchmark_small.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -20,10 +20,10 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8").strip()
 
-from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
@@ -167,7 +167,8 @@ def run(small: bool) -> list:
     if small:
       cmd += ["--capacity=16384", "--steps=10", "--repeats=3"]
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                        + " --xla_force_host_platform_device_count=8").strip()
     subprocess.run(cmd, check=True, env=env, timeout=1800)
     with open(out) as f:
       rows = json.load(f)["rows"]

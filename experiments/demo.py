@@ -1,8 +1,8 @@
 """A short demo: insert, sample and print table stats (placeholder main job)."""
 
-from absl import app
 import jax
 import jax.numpy as jnp
+from absl import app
 
 import funcreplay as fr
 

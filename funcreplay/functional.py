@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, NamedTuple
 
-from funcreplay import ops, sampling, state as state_lib
+from funcreplay import ops, sampling
+from funcreplay import state as state_lib
 from funcreplay.spec import TableSpec
 
 

@@ -87,7 +87,8 @@ class RateLimiter:
 def update_diff(limiter: RateLimiter, diff, inserted=0, sampled=0):
   """New ``limiter_diff`` after ``inserted`` inserts and ``sampled`` samples."""
   p, q = limiter.ratio
-  d = diff + jnp.int32(p) * jnp.asarray(inserted, jnp.int32) - jnp.int32(q) * jnp.asarray(sampled, jnp.int32)
+  d = (diff + jnp.int32(p) * jnp.asarray(inserted, jnp.int32)
+       - jnp.int32(q) * jnp.asarray(sampled, jnp.int32))
   return jnp.clip(d, -DIFF_LIMIT, DIFF_LIMIT).astype(jnp.int32)
 
 

@@ -406,9 +406,13 @@ def make_sharded_table(spec: TableSpec, mesh: Mesh, axis: str = "data") -> Shard
   def eligible(state, version=None, where=None):
     """bool ``[S, C // S]``: items a sample at ``version`` within ``where`` may return."""
     has_where = where is not None
-    return smap(lambda st, v, wh: local.eligible(_squeeze(st), v, wh[0] if has_where else None)[None],
-                (sh, rep, sh), sh)(state, None if version is None else jnp.asarray(version, jnp.int32),
-                                   where if has_where else jnp.zeros((n, 0), bool))
+    ver = None if version is None else jnp.asarray(version, jnp.int32)
+
+    def per_shard(st, v, wh):
+      return local.eligible(_squeeze(st), v, wh[0] if has_where else None)[None]
+
+    return smap(per_shard, (sh, rep, sh), sh)(state, ver,
+                                              where if has_where else jnp.zeros((n, 0), bool))
 
   def count(state, where=None, version=None):
     """Global number of eligible items (int32[], replicated), by ``psum``."""

@@ -161,7 +161,8 @@ def check_items(signature: Signature, items: Any, *, batched: bool = True,
             f" (B = batch), got {list(got_shape)}.")
       sizes.append(got_shape[0])
     elif got_shape != want_shape:
-      raise ValueError(f"item leaf {name}: expected shape {list(want_shape)}, got {list(got_shape)}.")
+      raise ValueError(f"item leaf {name}: expected shape {list(want_shape)}, "
+                       f"got {list(got_shape)}.")
     if np.dtype(leaf.dtype) != np.dtype(spec.dtype):
       raise TypeError(
           f"item leaf {name}: expected dtype {np.dtype(spec.dtype).name}, got "

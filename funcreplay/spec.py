@@ -71,7 +71,8 @@ class TableSpec:
                        f"got {max_times_sampled!r}.")
     if max_staleness is not None and (isinstance(max_staleness, bool)
                                       or not isinstance(max_staleness, int) or max_staleness < 0):
-      raise ValueError(f"TableSpec.max_staleness must be None or an int >= 0, got {max_staleness!r}.")
+      raise ValueError("TableSpec.max_staleness must be None or an int >= 0, "
+                       f"got {max_staleness!r}.")
     rate_limiter = rl.MinSize(1) if rate_limiter is None else rate_limiter
     if not isinstance(rate_limiter, rl.RateLimiter):
       raise TypeError(f"TableSpec.rate_limiter must be a RateLimiter (e.g. fr.MinSize(1)), "
@@ -86,7 +87,8 @@ class TableSpec:
         raise ValueError(f"TableSpec.metadata: {name!r} is a built-in column; pick another name.")
     if len(set(metadata)) != len(metadata):
       raise ValueError(f"TableSpec.metadata has duplicate column names: {metadata}.")
-    if default_priority is not None and (not math.isfinite(default_priority) or default_priority < 0):
+    if default_priority is not None and (not math.isfinite(default_priority)
+                                         or default_priority < 0):
       raise ValueError(f"TableSpec.default_priority must be None or finite >= 0, "
                        f"got {default_priority!r}.")
     sig = as_signature(signature)

@@ -194,7 +194,8 @@ def test_removers_when_full(remover):
   f = jitted(spec)
   state = f["table"].init()
   state = f["insert"](state, items_from_ids([0, 1, 2, 3]), version=0,
-                      priority=np.array([3.0, 1.0, 4.0, 2.0], np.float32), rng=jax.random.PRNGKey(0))
+                      priority=np.array([3.0, 1.0, 4.0, 2.0], np.float32),
+                      rng=jax.random.PRNGKey(0))
   state = f["insert"](state, items_from_ids([10]), version=0,
                       priority=np.array([2.5], np.float32), rng=jax.random.PRNGKey(1))
   live = sorted(np.asarray(state.data["x"])[np.asarray(state.occupied)].tolist())

@@ -48,8 +48,8 @@ def test_suite_on_8_cpu_devices():
       [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly",
        os.path.abspath(__file__), "-k", "not suite_on_8 and not two_processes"],
       env=_child_env(8), cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert r.returncode == 0, f"sharded tests failed in the 8-device subprocess:\n{r.stdout[-6000:]}" \
-                            f"\n{r.stderr[-3000:]}"
+  assert r.returncode == 0, (f"sharded tests failed in the 8-device subprocess:\n"
+                            f"{r.stdout[-6000:]}\n{r.stderr[-3000:]}")
   assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
 
 
