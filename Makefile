@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) experiments/demo.py
+	$(PY) experiments/dqn_anakin.py --config=configs/dqn_anakin.py --workdir=runs/dqn_anakin
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow" tests
