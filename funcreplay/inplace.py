@@ -1,16 +1,25 @@
 """Keeping donated updates in place: order reads of a column before its writes.
 
 XLA updates a donated buffer in place only when every read of the old
-contents is known to happen first. A gather whose result does not feed the
-later scatter (``info.priority = priority[slots]`` in ``sample``, then
-``update_priorities`` scattering into ``priority``) leaves the two unordered,
-and XLA resolves that by copying the whole ``[C]`` column: an O(C) cost per
-call that grows with capacity. ``lax.optimization_barrier`` does not help
-here (the CPU pipeline expands it before copy insertion), so ``settle`` adds a
-real but O(1) data dependency instead: each capacity-sized leaf gets its
-first row rewritten (to itself) under a predicate computed from the reads.
+contents is known to happen first, and on CPU it decides this from data
+dependencies alone. A gather whose result does not feed a later scatter
+(``info.priority = priority[slots]`` in ``sample``, then ``update_priorities``
+scattering into ``priority``) leaves the two unordered, and XLA resolves that
+by copying the whole ``[C]`` column: an O(C) cost per call that grows with
+capacity. ``lax.optimization_barrier`` does not help here (the CPU pipeline
+expands it before copy insertion), so ``settle`` / ``tie`` add a real but
+O(1) data dependency instead: each capacity-sized leaf gets two rows
+rewritten (to themselves) at positions computed from the reads (``never``).
 The predicate is never true, but XLA cannot prove it, so every later writer
 of that leaf is ordered after the reads and updates in place.
+
+Fusion makes this subtler: XLA re-fuses cheap producers (a slice such as
+``tree[1]``, elementwise ops, a dynamic-update-slice) into *every* consumer,
+so one read in the program becomes several reads of the buffer, and the tie
+orders only some of them. Hence ``never`` funnels scalar reads through a sort
+and arrays through reductions (neither is duplicated), ``once`` does the same
+for scalars that are used later, and ``tie`` writes with a two-index scatter,
+which XLA neither fuses into later gathers nor turns into a slice update.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from jax import lax
 
 def never(reads) -> jnp.ndarray:
   """bool[]: always False, computed from every leaf of ``reads`` (cost O(size of reads))."""
-  total = jnp.uint32(0)
+  sums, scalars = [jnp.uint32(0)], [jnp.uint32(0)]
   for x in jax.tree_util.tree_leaves(reads):
     x = jnp.asarray(x)
     if x.size == 0:
@@ -34,17 +43,45 @@ def never(reads) -> jnp.ndarray:
       x = lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
     else:
       x = lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}"))
-    total = total + jnp.sum(x, dtype=jnp.uint32)
+    if x.size > 1:
+      # A reduction: XLA does not duplicate it into its consumers.
+      sums.append(jnp.sum(x, dtype=jnp.uint32))
+    else:
+      scalars.append(x.reshape(()).astype(jnp.uint32))
+  # A scalar read (say ``tree[1]``) is a slice, which XLA re-fuses into every
+  # consumer: each copy is a read of the buffer that the tie does not order.
+  # Passing the scalars through a sort (never duplicated, never simplified
+  # away) leaves a single read.
+  total = sum(sums) + jnp.sum(lax.sort(jnp.stack(scalars)), dtype=jnp.uint32)
   # A uint32 has at most 32 bits set; XLA does not reason about popcount ranges.
   return lax.population_count(total) > 32
 
 
+def once(values):
+  """``values`` (a pytree of scalars read from big buffers), each read exactly once.
+
+  The result comes out of a sort of two-element copies, which XLA neither
+  duplicates into consumers nor simplifies away; a later ``tie`` on any
+  value computed from the result then orders every use of the reads.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(values)
+  key = jnp.arange(2, dtype=jnp.int32)
+  out = lax.sort((key, *[jnp.stack([x, x]) for x in leaves]), num_keys=1)
+  return jax.tree_util.tree_unflatten(treedef, [x[0] for x in out[1:]])
+
+
 def tie(leaf: jnp.ndarray, flag: jnp.ndarray) -> jnp.ndarray:
-  """``leaf`` unchanged, but data-dependent on ``flag`` (an O(1) in-place row update)."""
-  if leaf.ndim == 0 or leaf.shape[0] == 0:
+  """``leaf`` unchanged, but data-dependent on ``flag`` (an O(1) in-place update).
+
+  Rows 0 and 1 are scattered back onto themselves. A two-index scatter, not a
+  dynamic-update-slice (nor a one-index scatter, which XLA rewrites into
+  one): XLA fuses a dynamic-update-slice into a later gather of the leaf,
+  and that gather then reads the buffer the update writes in place (a copy).
+  """
+  if leaf.ndim == 0 or leaf.shape[0] < 2:
     return leaf
-  head = lax.slice_in_dim(leaf, 0, 1)
-  return lax.dynamic_update_slice_in_dim(leaf, jnp.where(flag, jnp.zeros_like(head), head), 0, 0)
+  rows = jnp.where(flag, jnp.array([1, 0]), jnp.array([0, 1]))  # always [0, 1]
+  return leaf.at[rows].set(leaf[:2], unique_indices=True)
 
 
 def settle(state, reads, capacity: int):

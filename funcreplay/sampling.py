@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from funcreplay import counters as ctr
-from funcreplay import indexes, ops, ordering, trees
+from funcreplay import indexes, inplace, ops, ordering, trees
 from funcreplay import rate_limiters as rl
 from funcreplay import selectors as sel
 from funcreplay.spec import TableSpec
@@ -70,8 +70,14 @@ class _Weights:
     return tree[p:p + self.spec.capacity].astype(jnp.float32)
 
 
-def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_all):
+def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_all,
+                   reads=None):
   """Draw ``B`` slots from the weight tree.
+
+  Args:
+    reads: values the caller read from the tree before the draw (best passed
+      through ``inplace.once``); the draw, which updates the tree in place,
+      is ordered after them. None: the caller read nothing.
 
   Returns:
     ``(picked int32[B], tree, touched int32[K])``: slots in draw order (-1
@@ -104,7 +110,8 @@ def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_
     return tree, picked, n + jnp.sum(take, dtype=jnp.int32), rnd + 1, key, touched
 
   rng, fallback_key = jax.random.split(rng)
-  init = (w.tree, jnp.full((b,), -1, jnp.int32), jnp.int32(0), jnp.int32(0), rng,
+  tree0 = w.tree if reads is None else inplace.tie(w.tree, inplace.never(reads))
+  init = (tree0, jnp.full((b,), -1, jnp.int32), jnp.int32(0), jnp.int32(0), rng,
           jnp.full((ROUNDS * m,), -1, jnp.int32))
   tree, picked, n, _, _, touched = lax.while_loop(cond, body, init)
 
@@ -127,6 +134,8 @@ def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_
 
   need_more = (n < b) & (w.total(tree) > 0)
   picked = lax.cond(need_more, fallback, lambda p: p, picked)
+  # The fallback reads the tree: later in-place writes must wait for it.
+  tree = inplace.tie(tree, inplace.never(picked))
   return picked, tree, touched
 
 
@@ -138,7 +147,9 @@ def _draw_stratified(spec, state, rng, batch_size):
   slots = w.draw(w.tree, jnp.minimum(u, 1.0 - 1e-7))
   # Rows in random order: a slot-sorted batch biases consumers that split it.
   slots = jax.random.permutation(k2, slots)
-  return jnp.where(w.total(w.tree) > 0, slots, -1)
+  # A drawn leaf has weight > 0 exactly when the total is > 0. (The root, a
+  # cheap slice, would be re-read by every fused use of the result.)
+  return jnp.where(trees.leaf_values(w.tree, slots) > 0, slots, -1)
 
 
 def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=None,
@@ -200,17 +211,18 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     num_eligible = jnp.sum(ok, dtype=jnp.int32)
     prob = jnp.ones((b,), jnp.float32)
   else:
-    # Totals are read before the draw, which updates the tree in place.
-    size0 = state.size
-    if spec.prioritized:
-      unmasked_total = state.weight_tree[1]
+    # Totals are read before the draw, which updates the tree in place. XLA
+    # would re-fuse these cheap reads into each later use, each an unordered
+    # read of the tree (a copy); ``once`` makes them single reads.
+    size0, unmasked_total = inplace.once(
+        (state.size, state.weight_tree[1] if spec.prioritized else jnp.float32(0)))
     if stratified:
       w = _Weights(spec, state)
       picked = _draw_stratified(spec, state, rng, b)
-      tree, touched = w.tree, jnp.full((1,), -1, jnp.int32)
+      tree, touched = w.tree, None
     else:
       picked, tree, touched = _draw_weighted(spec, state, rng, b, replace, eligible_fn,
-                                             eligible_all)
+                                             eligible_all, (size0, unmasked_total))
     safe = jnp.maximum(picked, 0)
     if spec.prioritized:
       w_item = indexes.sample_weight(spec, state.occupied[safe], state.priority[safe])
@@ -220,17 +232,27 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
                                                               state.priority), 0.0))
         num_eligible = jnp.sum(mask, dtype=jnp.int32)
       else:
-        total, num_eligible = unmasked_total, state.size
+        total, num_eligible = unmasked_total, size0
       prob = w_item / jnp.maximum(total, 1e-30)
     else:
       num_eligible = ops.count(spec, state, where, ver) if masked else size0
       prob = jnp.full((b,), 1.0, jnp.float32) / jnp.maximum(num_eligible, 1).astype(jnp.float32)
     tree_field = "weight_tree" if spec.prioritized else "occ_tree"
-    state = state.replace(**{tree_field: tree})
+    # _finish writes occupied (and the trees): order the reads so far (draws,
+    # fallback, counts, totals) before those writes.
+    flag = inplace.never((picked, prob, num_eligible))
+    state = state.replace(occupied=inplace.tie(state.occupied, flag),
+                          **{tree_field: inplace.tie(tree, flag)})
     state, out = _finish(spec, state, picked, prob, num_eligible, ver)
-    # Put the temporarily zeroed leaves back, from the (updated) columns.
-    state = indexes.refresh(spec, state, jnp.maximum(touched, 0), touched >= 0,
-                            which=(tree_field,))
+    if touched is not None:
+      # Put the temporarily zeroed leaves back, from the (updated) columns.
+      state = indexes.refresh(spec, state, jnp.maximum(touched, 0), touched >= 0,
+                              which=(tree_field,))
+    # Later operations in the same program (update_priorities, insert) write
+    # the columns this call read: order all its reads (the returned rows and,
+    # through the tree roots, the refreshes) before them.
+    roots = [t[1] for t in (state.occ_tree, state.weight_tree, state.remover_tree) if t.size]
+    state = inplace.settle(state, (out, roots), spec.capacity)
     return state, out
   return _finish(spec, state, picked, prob, num_eligible, ver)
 

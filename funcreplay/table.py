@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from funcreplay import ops, sampling
+from funcreplay import inplace, ops, sampling
 from funcreplay import selectors as sel
 from funcreplay import signature as sig_lib
 from funcreplay import state as state_lib
@@ -98,9 +98,11 @@ class _Ops:
 
     def sample(state, rng, version, where, where_cols, min_valid, *, batch_size, replace):
       mask = _where_mask(state, where, where_cols)
-      cnt = ops.count(spec, state, mask, version)
+      # Single reads of the tree root: XLA re-fuses a cheap read into every
+      # use, and a use not ordered before the in-place sample costs a tree copy.
+      cnt, size = inplace.once((ops.count(spec, state, mask, version), state.size))
       n_valid = jnp.where(cnt > 0, batch_size, 0) if replace else jnp.minimum(cnt, batch_size)
-      limiter_ok = limiter.can_sample(state.size, state.limiter_diff, n_valid)
+      limiter_ok = limiter.can_sample(size, state.limiter_diff, n_valid)
       ok = limiter_ok & (cnt >= min_valid)
       new_rng, sub = jax.random.split(rng)
 
