@@ -34,6 +34,12 @@ def refresh(spec: TableSpec, state: TableState, slots, valid=None,
   """Re-derive the leaves at ``slots`` (int32[K]) of the ``which`` trees from the columns."""
   if valid is None:
     valid = jnp.ones(slots.shape, bool)
+  if slots.shape[0] == 1:
+    # One slot would make every per-level update a dynamic slice, which XLA
+    # re-fuses into several reads and then copies the whole tree; a second,
+    # invalid entry keeps them real scatters (see ops.take).
+    slots = jnp.concatenate([slots, slots])
+    valid = jnp.concatenate([valid, jnp.zeros((1,), bool)])
   safe = jnp.where(valid, slots, 0)
   occ = state.occupied[safe]
   occ_tree = state.occ_tree

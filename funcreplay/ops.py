@@ -73,10 +73,22 @@ def _key_matches(state: TableState, slots, keys):
   return safe, ok
 
 
+def take(col, slots):
+  """``col[slots]`` as a real gather even for one slot.
+
+  A one-row gather lowers to a dynamic slice, which XLA re-fuses into every
+  consumer; a consumer not ordered before a later in-place write of ``col``
+  then costs a copy of the whole column. Two indices keep it a gather.
+  """
+  if slots.shape[0] == 1:
+    return col[jnp.concatenate([slots, slots])][:1]
+  return col[slots]
+
+
 def _remove(state: TableState, slots, mask, cause: str) -> TableState:
   """Free ``slots[mask]`` (unique), counting them under ``cause``. Trees not refreshed."""
   n = jnp.sum(mask).astype(jnp.uint32)
-  reuse = state.times_sampled[slots]
+  reuse = take(state.times_sampled, slots)
   # The caller may overwrite times_sampled next (insert): order that after this read.
   state = state.replace(times_sampled=inplace.tie(state.times_sampled, inplace.never(reuse)))
   c = dict(state.counters)
@@ -150,7 +162,7 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
 
   if isinstance(spec.remover, sel.Fifo):
     slots = (state.write_pos + rank) % cap
-    victims = mask & state.occupied[jnp.where(mask, slots, 0)]
+    victims = mask & take(state.occupied, jnp.where(mask, slots, 0))
     state = _remove(state, slots, victims, "evicted_capacity")
     state = _write(spec, state, slots, mask, items, columns)
     state = state.replace(write_pos=(state.write_pos + n_real) % cap)

@@ -225,7 +225,8 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
                                              eligible_all, (size0, unmasked_total))
     safe = jnp.maximum(picked, 0)
     if spec.prioritized:
-      w_item = indexes.sample_weight(spec, state.occupied[safe], state.priority[safe])
+      w_item = indexes.sample_weight(spec, ops.take(state.occupied, safe),
+                                    ops.take(state.priority, safe))
       if masked:
         mask = eligible_all()
         total = jnp.sum(jnp.where(mask, indexes.sample_weight(spec, state.occupied,
@@ -264,28 +265,31 @@ def _finish(spec, state, picked, prob, num_eligible, ver):
 
   def rows(x):
     v = valid.reshape((-1,) + (1,) * (x.ndim - 1))
-    return jnp.where(v, x[safe], jnp.zeros((), x.dtype))
+    return jnp.where(v, ops.take(x, safe), jnp.zeros((), x.dtype))
 
   data = jax.tree_util.tree_map(rows, state.data)
-  times = state.times_sampled.at[jnp.where(valid, safe, cap)].add(1, mode="drop")
+  idx = jnp.where(valid, safe, cap)
+  if idx.shape[0] == 1:  # keep it a scatter, not a slice update (see ops.take)
+    idx = jnp.concatenate([idx, jnp.full((1,), cap, idx.dtype)])
+  times = state.times_sampled.at[idx].add(1, mode="drop")
   state = state.replace(times_sampled=times)
   n_valid = jnp.sum(valid, dtype=jnp.int32)
   c = dict(state.counters)
   c["samples"] = ctr.add(c["samples"], n_valid)
   if ver is not None:
-    staleness = jnp.maximum(ver - state.version[safe], 0)
+    staleness = jnp.maximum(ver - ops.take(state.version, safe), 0)
     c["sampled_staleness_sum"] = ctr.add_sum(c["sampled_staleness_sum"], staleness, valid)
   state = state.replace(counters=c, limiter_diff=rl.update_diff(
       spec.rate_limiter, state.limiter_diff, sampled=n_valid))
   info = SampleInfo(
       slot=jnp.where(valid, safe, -1),
-      key=jnp.where(valid, state.key[safe], jnp.uint32(0)),
+      key=jnp.where(valid, ops.take(state.key, safe), jnp.uint32(0)),
       probability=jnp.where(valid, prob, 0.0),
-      priority=jnp.where(valid, state.priority[safe], 0.0),
-      times_sampled=jnp.where(valid, times[safe], 0),
-      version=jnp.where(valid, state.version[safe], 0))
+      priority=jnp.where(valid, ops.take(state.priority, safe), 0.0),
+      times_sampled=jnp.where(valid, ops.take(times, safe), 0),
+      version=jnp.where(valid, ops.take(state.version, safe), 0))
   if spec.max_times_sampled > 0:
-    exhausted = valid & (times[safe] >= spec.max_times_sampled)
+    exhausted = valid & (ops.take(times, safe) >= spec.max_times_sampled)
     # With replacement a slot can appear twice: count it once.
     exhausted = ops.last_occurrence(safe, exhausted)
     state = ops._remove(state, safe, exhausted, "evicted_reuse")  # noqa: SLF001

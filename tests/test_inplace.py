@@ -52,7 +52,8 @@ def test_fifo_insert_delete_update_compile_without_column_copies(sampler):
   t = fr.make_table(spec)
   s = t.init()
   slots, keys = jnp.arange(16, dtype=jnp.int32), jnp.arange(16, dtype=jnp.uint32)
-  assert _capacity_copies(lambda s, x: t.insert(s, x, version=1), s, _rows(64)) == []
+  for b in (1, 2, 64):  # B = 1 lowers gathers to slices (see ops._gather)
+    assert _capacity_copies(lambda s, x: t.insert(s, x, version=1), s, _rows(b)) == [], b
   assert _capacity_copies(lambda s: t.delete(s, slots, keys), s) == []
   assert _capacity_copies(lambda s: t.update_priorities(s, slots, keys, 2.0), s) == []
 
@@ -111,3 +112,18 @@ def test_table_sample_compiles_without_column_copies(replace):
   compiled = ops.sample.lower(ops.init(), jax.random.PRNGKey(0), np.int32(0), None, {},
                               np.int32(1), batch_size=64, replace=replace).compile()
   assert _capacity_copies(None, compiled=compiled) == []
+
+
+@pytest.mark.parametrize("sampler", [fr.Uniform(), fr.Prioritized(0.6)], ids=["uniform", "prio"])
+def test_batch_of_one_compiles_without_column_copies(sampler):
+  # One-row gathers / scatters lower to slices that XLA re-fuses into several
+  # reads (ops.take, indexes.refresh keep them real gathers / scatters).
+  spec = fr.TableSpec(CAP, ITEM, sampler=sampler, max_times_sampled=3, max_staleness=5)
+  t = fr.make_table(spec)
+  s = t.init()
+
+  def sample_update(s):
+    s, smp = t.sample(s, jax.random.PRNGKey(0), batch_size=1, version=1)
+    return t.update_priorities(s, smp.info.slot, smp.info.key, 1.0), smp
+
+  assert _capacity_copies(sample_update, s) == []
