@@ -436,14 +436,7 @@ class Ingestor:
 
   # -- producer helpers -------------------------------------------------------------------
   def _check_meta_keys(self, metadata, what) -> Mapping[str, Any]:
-    if not isinstance(metadata, Mapping):
-      raise TypeError(f"{what}: metadata must be a dict column -> int, got "
-                      f"{type(metadata).__name__}.")
-    unknown = sorted(set(metadata) - set(self._columns))
-    if unknown:
-      raise ValueError(f"{what}: unknown metadata columns {unknown}; the table's spec declares "
-                       f"{list(self._columns)}.")
-    return metadata
+    return table_lib.check_metadata_columns(metadata, self._columns, what)
 
   def _check_extras(self, version, priority, metadata):
     if version is not None:

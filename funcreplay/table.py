@@ -410,14 +410,8 @@ class Table:
     has_prio = np.bool_(priority is not None)
     prio = _pad(_priority_rows(0.0 if priority is None else priority, b, "Table.insert priority"),
                 bk)
-    metadata = {} if metadata is None else metadata
-    if not isinstance(metadata, Mapping):
-      raise TypeError(f"Table.insert: metadata must be a dict column -> ints, got "
-                      f"{type(metadata).__name__}.")
-    unknown = sorted(set(metadata) - set(spec.metadata))
-    if unknown:
-      raise ValueError(f"Table.insert: unknown metadata columns {unknown}; the spec declares "
-                       f"{list(spec.metadata)}.")
+    metadata = check_metadata_columns({} if metadata is None else metadata, spec.metadata,
+                                      "Table.insert")
     meta = {k: _pad(_int_rows(metadata.get(k, 0), b, f"Table.insert metadata[{k!r}]"), bk)
             for k in spec.metadata}
     padded = jax.tree_util.tree_unflatten(spec.signature.treedef,
@@ -742,6 +736,18 @@ class Table:
       raise ValueError(f"{what}: where mask must have shape [{spec.capacity}] (one per slot), "
                        f"got {list(m.shape)}.")
     return m, cols
+
+
+def check_metadata_columns(metadata, columns, what: str) -> Mapping[str, Any]:
+  """``metadata`` if it is a dict over (a subset of) ``columns``; else a clear error."""
+  if not isinstance(metadata, Mapping):
+    raise TypeError(f"{what}: metadata must be a dict column -> ints, got "
+                    f"{type(metadata).__name__}.")
+  unknown = sorted(set(metadata) - set(columns))
+  if unknown:
+    raise ValueError(f"{what}: unknown metadata columns {unknown}; the spec declares "
+                     f"{list(columns)}.")
+  return metadata
 
 
 def _check_int(x, what: str, lo: int = _I32.min, hi: int = _I32.max) -> int:
