@@ -31,7 +31,10 @@ ALL_TREES = ("occ_tree", "weight_tree", "remover_tree")
 
 def refresh(spec: TableSpec, state: TableState, slots, valid=None,
             which=ALL_TREES) -> TableState:
-  """Re-derive the leaves at ``slots`` (int32[K]) of the ``which`` trees from the columns."""
+  """Re-derive the leaves at ``slots`` (int32[K]) of the ``which`` trees from the columns.
+
+  The valid entries of ``slots`` must be distinct (callers deduplicate).
+  """
   if valid is None:
     valid = jnp.ones(slots.shape, bool)
   if slots.shape[0] == 1:
@@ -44,7 +47,7 @@ def refresh(spec: TableSpec, state: TableState, slots, valid=None,
   occ = state.occupied[safe]
   occ_tree = state.occ_tree
   if "occ_tree" in which:
-    occ_tree = trees.refresh_sum(occ_tree, safe, occ.astype(jnp.int32), valid)
+    occ_tree = trees.refresh_count(occ_tree, safe, occ.astype(jnp.int32), valid)
   weight_tree = state.weight_tree
   if spec.prioritized and "weight_tree" in which:
     w = sample_weight(spec, occ, state.priority[safe])

@@ -21,6 +21,8 @@ items by their order: O(C log C), meant for queue/stack-sized tables.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -36,12 +38,20 @@ ROUNDS = 4
 
 
 def _first_occurrence(d):
-  """bool[M]: True at the first occurrence (in order) of each value of ``d``."""
+  """``(first, d)``: bool[M], True at the first occurrence (in order) of each value
+  of ``d``; and ``d`` itself, read back out of the sort.
+
+  Callers use the returned ``d`` from then on: ``d`` comes from gathers of a
+  tree that is then updated in place, and XLA re-fuses such gathers into every
+  consumer; a consumer not ordered before the update costs a copy of the tree.
+  A sort is never duplicated, so this leaves one ordered read.
+  """
   m = d.shape[0]
   pos = jnp.arange(m, dtype=jnp.int32)
   s_d, s_pos = lax.sort((d, pos), num_keys=2)
   first_sorted = jnp.concatenate([jnp.ones((1,), bool), s_d[1:] != s_d[:-1]])
-  return jnp.zeros((m,), bool).at[s_pos].set(first_sorted)
+  first = jnp.zeros((m,), bool).at[s_pos].set(first_sorted, unique_indices=True)
+  return first, jnp.zeros((m,), d.dtype).at[s_pos].set(s_d, unique_indices=True)
 
 
 class _Weights:
@@ -63,7 +73,8 @@ class _Weights:
     return trees.descend_count(tree, jnp.maximum(k, 0), free=False)
 
   def zero(self, tree, slots, valid):
-    return trees.refresh_sum(tree, slots, jnp.zeros(slots.shape, tree.dtype), valid)
+    refresh = trees.refresh_sum if self.prioritized else trees.refresh_count
+    return refresh(tree, slots, jnp.zeros(slots.shape, tree.dtype), valid)
 
   def leaves(self, tree):
     p = tree.shape[0] // 2
@@ -71,13 +82,18 @@ class _Weights:
 
 
 def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_all,
-                   reads=None):
+                   reads=None, window=None):
   """Draw ``B`` slots from the weight tree.
 
   Args:
     reads: values the caller read from the tree before the draw (best passed
       through ``inplace.once``); the draw, which updates the tree in place,
       is ordered after them. None: the caller read nothing.
+    window: optional ``(start, filled, hole_free)`` of a uniform Fifo ring
+      (``ring_window``). While ``hole_free``, candidates are drawn as ring
+      positions, O(1) each, instead of by an O(log C) tree descent; a leaf
+      the rounds have zeroed (picked or found ineligible) is rejected as a
+      repeat. The distribution is the same: uniform over the items.
 
   Returns:
     ``(picked int32[B], tree, touched int32[K])``: slots in draw order (-1
@@ -94,49 +110,79 @@ def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_
     tree, picked, n, rnd, _, _ = c
     return (n < b) & (w.total(tree) > 0) & (rnd < ROUNDS)
 
+  def draw(tree, u):
+    if window is None:
+      return w.draw(tree, u)
+    start, filled, hole_free = window
+    by_ring = lambda: (start + jnp.minimum((u * filled).astype(jnp.int32), filled - 1)  # noqa: E731
+                       ) % spec.capacity
+    return lax.cond(hole_free, by_ring, lambda: w.draw(tree, u))
+
   def body(c):
-    tree, picked, n, rnd, key, touched = c
-    key, sub = jax.random.split(key)
-    d = w.draw(tree, jax.random.uniform(sub, (m,)))
-    ok = eligible_fn(d)
-    first = _first_occurrence(d)
+    tree, picked, n, rnd, u_all, touched = c
+    first, d = _first_occurrence(draw(tree, u_all[rnd]))
+    # A tree draw never lands on a zeroed leaf; a ring draw may (a repeat from
+    # an earlier round): it is not fresh, and never zeroed or touched twice.
+    fresh = trees.leaf_values(tree, d) > 0 if window is not None else True
+    ok = eligible_fn(d) & fresh
     acc = ok if replace else ok & first
     rank = jnp.cumsum(acc.astype(jnp.int32)) - 1
     take = acc & (rank < b - n)
     picked = picked.at[jnp.where(take, n + rank, b)].set(d, mode="drop")
-    remove = (~ok & first) if replace else ((take | ~ok) & first)
+    remove = ((~ok if replace else take | ~ok) & first) & fresh
     tree = w.zero(tree, d, remove)
     touched = lax.dynamic_update_slice(touched, jnp.where(remove, d, -1), (rnd * m,))
-    return tree, picked, n + jnp.sum(take, dtype=jnp.int32), rnd + 1, key, touched
+    return tree, picked, n + jnp.sum(take, dtype=jnp.int32), rnd + 1, u_all, touched
 
   rng, fallback_key = jax.random.split(rng)
+  # Every round's uniforms in one call: on CPU each jax.random call is a
+  # rolled threefry loop with a fixed cost well above the draws themselves.
+  u_all = jax.random.uniform(rng, (ROUNDS, m))
   tree0 = w.tree if reads is None else inplace.tie(w.tree, inplace.never(reads))
-  init = (tree0, jnp.full((b,), -1, jnp.int32), jnp.int32(0), jnp.int32(0), rng,
+  init = (tree0, jnp.full((b,), -1, jnp.int32), jnp.int32(0), jnp.int32(0), u_all,
           jnp.full((ROUNDS * m,), -1, jnp.int32))
   tree, picked, n, _, _, touched = lax.while_loop(cond, body, init)
-
-  def fallback(picked):
-    # O(C): Gumbel-top-k over the weights still in the tree, eligible only.
-    weights = w.leaves(tree)
-    ok = eligible_all() & (weights > 0)
-    logits = jnp.where(ok, jnp.log(jnp.where(ok, weights, 1.0)), -jnp.inf)
-    pos = jnp.arange(b) - n
-    if replace:
-      draws = jax.random.categorical(fallback_key, logits, shape=(b,)).astype(jnp.int32)
-      extra = jnp.where(jnp.any(ok), draws[jnp.clip(pos, 0, b - 1)], -1)
-    else:
-      k = min(b, spec.capacity)
-      top_vals, top_slots = lax.top_k(logits + jax.random.gumbel(fallback_key, logits.shape), k)
-      top_slots = jnp.where(jnp.isfinite(top_vals), top_slots, -1)
-      top_slots = jnp.concatenate([top_slots, jnp.full((b - k,), -1, jnp.int32)])
-      extra = top_slots[jnp.clip(pos, 0, b - 1)]
-    return jnp.where(pos < 0, picked, extra)
-
-  need_more = (n < b) & (w.total(tree) > 0)
-  picked = lax.cond(need_more, fallback, lambda p: p, picked)
-  # The fallback reads the tree: later in-place writes must wait for it.
+  # Completion: the weights still in the tree, eligible only.
+  picked = lax.cond((n < b) & (w.total(tree) > 0), functools.partial(
+      _complete, spec, fallback_key, n, replace,
+      lambda: (w.leaves(tree), eligible_all())), lambda p: p, picked)
+  # The completion reads the tree: later in-place writes must wait for it.
   tree = inplace.tie(tree, inplace.never(picked))
   return picked, tree, touched
+
+
+def _complete(spec, key, n, replace, weights_fn, picked):
+  """Rows ``n..B-1`` of ``picked`` by an O(C) Gumbel-top-k (or categorical draws with
+  replacement) over ``weights_fn() -> (float32[C] weights, bool[C] eligible)``.
+
+  The rounds of draws ran out (heavy masks); this is the same distribution,
+  only slower.
+  """
+  b = picked.shape[0]
+  weights, eligible = weights_fn()
+  ok = eligible & (weights > 0)
+  logits = jnp.where(ok, jnp.log(jnp.where(ok, weights, 1.0)), -jnp.inf)
+  pos = jnp.arange(b) - n
+  if replace:
+    draws = jax.random.categorical(key, logits, shape=(b,)).astype(jnp.int32)
+    extra = jnp.where(jnp.any(ok), draws[jnp.clip(pos, 0, b - 1)], -1)
+  else:
+    k = min(b, spec.capacity)
+    top_vals, top_slots = lax.top_k(logits + jax.random.gumbel(key, logits.shape), k)
+    top_slots = jnp.where(jnp.isfinite(top_vals), top_slots, -1)
+    top_slots = jnp.concatenate([top_slots, jnp.full((b - k,), -1, jnp.int32)])
+    extra = top_slots[jnp.clip(pos, 0, b - 1)]
+  return jnp.where(pos < 0, picked, extra)
+
+
+def ring_window(spec: TableSpec, state: TableState):
+  """``(start, filled)`` of a ``Fifo``-remover table: the ``filled`` slots written
+  so far, oldest first from slot ``start`` (wrapping). Every item lies in this
+  window, so when ``state.size == filled`` the window has no holes."""
+  c = spec.capacity
+  hi, lo = state.counters["inserts"][0], state.counters["inserts"][1]
+  filled = jnp.where(hi > 0, c, jnp.minimum(lo, jnp.uint32(c))).astype(jnp.int32)
+  return (state.write_pos - filled + c) % c, filled
 
 
 def _draw_stratified(spec, state, rng, batch_size):
@@ -221,8 +267,12 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
       picked = _draw_stratified(spec, state, rng, b)
       tree, touched = w.tree, None
     else:
+      window = None
+      if isinstance(spec.sampler, sel.Uniform) and isinstance(spec.remover, sel.Fifo):
+        start, filled = ring_window(spec, state)
+        window = (start, filled, size0 == filled)
       picked, tree, touched = _draw_weighted(spec, state, rng, b, replace, eligible_fn,
-                                             eligible_all, (size0, unmasked_total))
+                                             eligible_all, (size0, unmasked_total), window)
     safe = jnp.maximum(picked, 0)
     if spec.prioritized:
       w_item = indexes.sample_weight(spec, ops.take(state.occupied, safe),

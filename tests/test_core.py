@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax import lax
 from scipy import stats as sstats
 
@@ -57,6 +59,52 @@ def test_uniform_without_replacement_is_uniform_over_eligible():
   assert counts[[s for s in range(20) if s not in eligible]].sum() == 0
   p = sstats.chisquare(counts[eligible]).pvalue
   assert p > P_MIN, f"uniform chi-square p={p}"
+
+
+def test_ring_window_tracks_holes():
+  """A Fifo table samples by ring position exactly while size == filled."""
+  from funcreplay import sampling
+  spec = fr.TableSpec(16, ITEM)
+  f = jitted(spec)
+  window = lambda st: tuple(int(x) for x in sampling.ring_window(spec, st))  # noqa: E731
+  state = _fill(spec, 5)
+  assert window(state) == (0, 5) and int(state.size) == 5
+  state = f["insert"](state, items_from_ids(np.arange(5, 21)), version=0)  # wraps: 21 written
+  assert window(state) == (5, 16) and int(state.size) == 16
+  state = f["delete"](state, np.array([7], np.int32), state.key[7:8])
+  assert int(state.size) == 15  # a hole: the occupancy tree draws until it is overwritten
+  state = f["insert"](state, items_from_ids(np.arange(21, 37)), version=0)
+  assert window(state) == (5, 16) and int(state.size) == 16
+
+
+@pytest.mark.parametrize("holes", [False, True])
+def test_uniform_heavy_masks_need_several_rounds(holes):
+  """12 of 64 items eligible, batches of 10: the draw needs several rounds (and
+  sometimes the O(C) completion), with the ring draw (no holes) or the tree
+  draw (holes); either way distinct eligible slots, uniform inclusion, and
+  the trees equal a rebuild afterwards."""
+  from tests.helpers import assert_trees_consistent
+  spec = fr.TableSpec(64, ITEM, max_staleness=0)
+  f = jitted(spec)
+  state = _fill(spec, 64, version=0)
+  eligible = np.arange(64) % 5 == 0  # 13 slots; slot 0 deleted or stale below
+  state = f["insert"](state, items_from_ids(np.arange(64, 128)), version=0)
+  versions = np.where(eligible, 7, 0).astype(np.int32)
+  state = state.replace(version=jnp.asarray(versions))
+  if holes:
+    state = f["delete"](state, np.array([0, 1], np.int32), state.key[:2])
+  else:
+    state = state.replace(version=state.version.at[0].set(0))
+  eligible[0] = False
+  slots, valid = _sample_counts(spec, state, 1500, 10, version=7, seed=3)
+  assert valid.all()
+  assert all(len(set(r.tolist())) == 10 for r in slots), "repeated slot within a batch"
+  counts = np.bincount(slots.ravel(), minlength=64)
+  assert counts[~eligible].sum() == 0
+  p = sstats.chisquare(counts[eligible]).pvalue
+  assert p > P_MIN, f"inclusion chi-square p={p}"
+  state, _ = f["sample"](state, jax.random.PRNGKey(9), batch_size=10, version=7)
+  assert_trees_consistent(spec, state)
 
 
 def test_probability_and_num_eligible_reported():
@@ -308,3 +356,25 @@ def test_where_mask_shape_is_checked():
   table = fr.make_table(spec)
   with pytest.raises(ValueError, match="bool mask of shape \\[4\\]"):
     table.sample(table.init(), jax.random.PRNGKey(0), batch_size=2, where=jnp.ones((3,), bool))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 40), st.lists(st.tuples(st.integers(0, 39), st.integers(0, 1),
+                                              st.booleans()), min_size=1, max_size=12))
+def test_count_tree_refresh_equals_rebuild(capacity, updates):
+  """The one-scatter-add refresh of the occupancy tree matches a from-scratch build."""
+  from funcreplay import trees
+  p = 1 << max(0, (capacity - 1).bit_length())
+  leaves = np.zeros(p, np.int32)
+  tree = trees.build_sum(jnp.asarray(leaves))
+  seen, slots, values, valid = set(), [], [], []
+  for slot, value, ok in updates:
+    slot %= capacity
+    ok = ok and slot not in seen  # valid slots are distinct (the documented contract)
+    seen |= {slot} if ok else set()
+    slots.append(slot), values.append(value), valid.append(ok)
+    if ok:
+      leaves[slot] = value
+  tree = trees.refresh_count(tree, jnp.asarray(slots, jnp.int32), jnp.asarray(values, jnp.int32),
+                             jnp.asarray(valid))
+  np.testing.assert_array_equal(np.asarray(tree), np.asarray(trees.build_sum(jnp.asarray(leaves))))
