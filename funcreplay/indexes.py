@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay import ordering, trees
+from funcreplay import ordering, staleness, trees
 from funcreplay.spec import TableSpec
 from funcreplay.state import TableState
 
@@ -60,8 +60,11 @@ def refresh(spec: TableSpec, state: TableState, slots, valid=None,
 
 
 def rebuild(spec: TableSpec, state: TableState) -> TableState:
-  """Rebuild every tree from the columns. O(C)."""
+  """Rebuild every tree, and the version index, from the columns. O(C)."""
   p = spec.tree_size
+  hist, bounds = staleness.rebuild(spec, state.version_hist, state.version_bounds,
+                                   state.occupied, state.version)
+  state = state.replace(version_hist=hist, version_bounds=bounds)
   occ = _padded(state.occupied, p, False)
   state = state.replace(occ_tree=trees.build_sum(occ.astype(jnp.int32)))
   if spec.prioritized:

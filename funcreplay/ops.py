@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from funcreplay import counters as ctr
-from funcreplay import indexes, inplace, trees
+from funcreplay import indexes, inplace, staleness, trees
 from funcreplay import rate_limiters as rl
 from funcreplay import selectors as sel
 from funcreplay.spec import TableSpec
@@ -85,12 +85,17 @@ def take(col, slots):
   return col[slots]
 
 
-def _remove(state: TableState, slots, mask, cause: str) -> TableState:
+def _remove(spec: TableSpec, state: TableState, slots, mask, cause: str) -> TableState:
   """Free ``slots[mask]`` (unique), counting them under ``cause``. Trees not refreshed."""
   n = jnp.sum(mask).astype(jnp.uint32)
   reuse = take(state.times_sampled, slots)
   # The caller may overwrite times_sampled next (insert): order that after this read.
   state = state.replace(times_sampled=inplace.tie(state.times_sampled, inplace.never(reuse)))
+  if spec.max_staleness is not None:
+    versions = take(state.version, slots)
+    hist, bounds = staleness.on_remove(spec, state.version_hist, state.version_bounds,
+                                       versions, mask)
+    state = state.replace(version_hist=hist, version_bounds=bounds)
   c = dict(state.counters)
   c[cause] = ctr.add(c[cause], n)
   c["removed_reuse_sum"] = ctr.add_sum(c["removed_reuse_sum"], reuse, mask)
@@ -158,12 +163,14 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   keys = state.next_key + rank.astype(jnp.uint32)
   # Advance next_key first: item ages (next_key - key) order the remover trees.
   state = state.replace(next_key=state.next_key + n_real.astype(jnp.uint32))
+  hist, bounds = staleness.advance(spec, state.version_hist, state.version_bounds, versions, mask)
+  state = state.replace(version_hist=hist, version_bounds=bounds)
   columns = dict(key=keys, version=versions, priority=prios, metadata=meta_rows)
 
   if isinstance(spec.remover, sel.Fifo):
     slots = (state.write_pos + rank) % cap
     victims = mask & take(state.occupied, jnp.where(mask, slots, 0))
-    state = _remove(state, slots, victims, "evicted_capacity")
+    state = _remove(spec, state, slots, victims, "evicted_capacity")
     state = _write(spec, state, slots, mask, items, columns)
     state = state.replace(write_pos=(state.write_pos + n_real) % cap)
   else:
@@ -190,14 +197,23 @@ def _write(spec, state, slots, write, items, columns):
   def put(col, x):
     return col.at[idx].set(x, mode="drop")
 
+  version_col = state.version
+  if spec.max_staleness is not None:
+    # _remove read versions of these slots into the index: overwrite them after.
+    version_col = inplace.tie(version_col, inplace.never((state.version_hist,
+                                                          state.version_bounds)))
+  hist, bounds = staleness.add(spec, state.version_hist, state.version_bounds,
+                               columns["version"], write)
+
   state = state.replace(
       data=_scatter_rows(state.data, slots, items, write),
       occupied=put(state.occupied, True),
       key=put(state.key, columns["key"]),
-      version=put(state.version, columns["version"]),
+      version=put(version_col, columns["version"]),
       times_sampled=put(state.times_sampled, 0),
       priority=put(state.priority, columns["priority"]),
       metadata={k: put(v, columns["metadata"][k]) for k, v in state.metadata.items()},
+      version_hist=hist, version_bounds=bounds,
   )
   return indexes.refresh(spec, state, slots, write)
 
@@ -221,7 +237,7 @@ def _insert_with_victims(spec, state, need, items, columns, rng):
       else:
         victim = trees.best(st.remover_tree)
       vs = victim[None]
-      st = _remove(st, vs, jnp.ones((1,), bool), "evicted_capacity")
+      st = _remove(spec, st, vs, jnp.ones((1,), bool), "evicted_capacity")
       row = jax.tree_util.tree_map(lambda x: lax.dynamic_slice_in_dim(x, r, 1), items)
       cols = dict(key=columns["key"][r][None], version=columns["version"][r][None],
                   priority=columns["priority"][r][None],
@@ -239,7 +255,7 @@ def delete(spec: TableSpec, state: TableState, slots, keys) -> TableState:
   """Remove the items at ``slots`` whose key still equals ``keys`` (int32/uint32 [K])."""
   safe, ok = _key_matches(state, slots, keys)
   ok = last_occurrence(safe, ok)
-  state = _remove(state, safe, ok, "deletes")
+  state = _remove(spec, state, safe, ok, "deletes")
   return indexes.refresh(spec, state, safe, ok)
 
 
@@ -293,7 +309,7 @@ def evict_stale(spec: TableSpec, state: TableState, version) -> TableState:
     raise ValueError("evict_stale: the table has no max_staleness; set TableSpec.max_staleness.")
   stale = stale_mask(spec, state, version)
   slots = jnp.arange(spec.capacity, dtype=jnp.int32)
-  state = _remove(state, slots, stale, "evicted_stale")
+  state = _remove(spec, state, slots, stale, "evicted_stale")
   return indexes.rebuild(spec, state)
 
 
@@ -317,11 +333,23 @@ def masks_active(spec: TableSpec, version, where) -> bool:
   return where is not None or (version is not None and spec.max_staleness is not None)
 
 
-def count(spec: TableSpec, state: TableState, where=None, version=None):
-  """Number of eligible items (int32[]); O(1) without masks, O(C) with them."""
+def count(spec: TableSpec, state: TableState, where=None, version=None, size=None):
+  """Number of eligible items (int32[]).
+
+  O(1) without masks; with only the staleness mask, O(1) or O(V) from the
+  version index in the steady state (see ``funcreplay.staleness``); O(C)
+  with ``where`` or when the index cannot answer. ``size``: ``state.size``
+  if the caller already read it (``sample`` reads it once, see ``inplace``).
+  """
+  size = state.size if size is None else size
   if not masks_active(spec, version, where):
-    return state.size
-  return jnp.sum(eligible_mask(spec, state, version, where), dtype=jnp.int32)
+    return size
+  full = lambda: jnp.sum(eligible_mask(spec, state, version, where), dtype=jnp.int32)  # noqa: E731
+  if where is not None:
+    return full()
+  threshold = jnp.asarray(version, jnp.int32) - spec.max_staleness
+  return staleness.count_fresh(spec, state.version_hist, state.version_bounds, size, threshold,
+                               full)
 
 
 def can_insert(spec: TableSpec, state: TableState, num_items=1):

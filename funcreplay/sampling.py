@@ -286,7 +286,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
         total, num_eligible = unmasked_total, size0
       prob = w_item / jnp.maximum(total, 1e-30)
     else:
-      num_eligible = ops.count(spec, state, where, ver) if masked else size0
+      num_eligible = ops.count(spec, state, where, ver, size=size0)
       prob = jnp.full((b,), 1.0, jnp.float32) / jnp.maximum(num_eligible, 1).astype(jnp.float32)
     tree_field = "weight_tree" if spec.prioritized else "occ_tree"
     # _finish writes occupied (and the trees): order the reads so far (draws,
@@ -342,7 +342,7 @@ def _finish(spec, state, picked, prob, num_eligible, ver):
     exhausted = valid & (ops.take(times, safe) >= spec.max_times_sampled)
     # With replacement a slot can appear twice: count it once.
     exhausted = ops.last_occurrence(safe, exhausted)
-    state = ops._remove(state, safe, exhausted, "evicted_reuse")  # noqa: SLF001
+    state = ops._remove(spec, state, safe, exhausted, "evicted_reuse")  # noqa: SLF001
     state = indexes.refresh(spec, state, safe, exhausted)
   return state, Sample(data=data, valid=valid, info=info, num_eligible=num_eligible)
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from funcreplay import counters as ctr
 from funcreplay import signature as sig_lib
+from funcreplay import staleness
 from funcreplay.spec import TableSpec
 
 COUNTERS = (
@@ -53,6 +54,10 @@ class TableState:
       sampler only; shape [0] otherwise).
     remover_tree: int32[2P] arg-best tree of the next victim (Lifo / heap
       removers only; shape [0] otherwise).
+    version_hist: int32[V] histogram of the newest versions, and
+    version_bounds: int32[3] ``[newest version, older items, their lowest
+      version]``: the index that counts fresh items without an O(C) pass
+      (``funcreplay.staleness``; shape [0] without ``max_staleness``).
     write_pos: int32[] ring position of the Fifo remover.
     next_key: uint32[] key of the next inserted item.
     max_priority: float32[] largest priority ever set (default priority).
@@ -70,6 +75,8 @@ class TableState:
   occ_tree: jnp.ndarray
   weight_tree: jnp.ndarray
   remover_tree: jnp.ndarray
+  version_hist: jnp.ndarray
+  version_bounds: jnp.ndarray
   write_pos: jnp.ndarray
   next_key: jnp.ndarray
   max_priority: jnp.ndarray
@@ -139,6 +146,7 @@ def empty_counters() -> Dict[str, jnp.ndarray]:
 def init_state(spec: TableSpec) -> TableState:
   """A fresh, empty ``TableState`` for ``spec`` (every buffer preallocated)."""
   c, p = spec.capacity, spec.tree_size
+  version_hist, version_bounds = staleness.empty(spec)
   state = TableState(
       data=sig_lib.zeros(spec.signature, (c,)),
       occupied=jnp.zeros((c,), bool),
@@ -150,6 +158,8 @@ def init_state(spec: TableSpec) -> TableState:
       occ_tree=jnp.zeros((2 * p,), jnp.int32),
       weight_tree=jnp.zeros((2 * p if spec.prioritized else 0,), jnp.float32),
       remover_tree=jnp.full((2 * p if spec.needs_remover_tree else 0,), -1, jnp.int32),
+      version_hist=version_hist,
+      version_bounds=version_bounds,
       write_pos=jnp.zeros((), jnp.int32),
       next_key=jnp.zeros((), jnp.uint32),
       max_priority=jnp.ones((), jnp.float32),

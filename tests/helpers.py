@@ -40,7 +40,7 @@ def _rebuild(spec):
 
 
 def assert_trees_consistent(spec: fr.TableSpec, state: fr.TableState):
-  """Every device tree equals a from-scratch rebuild over the columns."""
+  """Every device tree (and the version index) equals a from-scratch rebuild."""
   rebuilt = _rebuild(spec)(state)
   np.testing.assert_array_equal(np.asarray(state.occ_tree), np.asarray(rebuilt.occ_tree))
   if spec.prioritized:
@@ -48,6 +48,10 @@ def assert_trees_consistent(spec: fr.TableSpec, state: fr.TableState):
                                rtol=1e-6, atol=0)
   if spec.needs_remover_tree:
     assert int(state.remover_tree[1]) == int(rebuilt.remover_tree[1])
+  # The version index (staleness counts) too.
+  np.testing.assert_array_equal(np.asarray(state.version_hist), np.asarray(rebuilt.version_hist))
+  np.testing.assert_array_equal(np.asarray(state.version_bounds),
+                                np.asarray(rebuilt.version_bounds))
 
 
 def counters_dict(state):

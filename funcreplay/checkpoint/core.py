@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from funcreplay import sharding as shd
+from funcreplay import staleness
 from funcreplay import state as state_lib
 from funcreplay.checkpoint import format as fmt
 from funcreplay.checkpoint import layout, migrate, spec_codec
@@ -169,12 +170,19 @@ def resolve(path) -> str:
   return path  # read_manifest names what is missing
 
 
+# Leaves that checkpoints written before they existed lack. They are derived
+# from the slot columns, so a restore rebuilds them (``_add_derived``).
+_DERIVED = (".version_hist", ".version_bounds")
+
+
 def _check_arrays(manifest, spec: TableSpec, num_shards: Optional[int], where: str):
   treedef, expected = _expected(spec, num_shards)
   entries = manifest["arrays"]
   names = [e.get("leaf") for e in entries]
   want = [n for n, _, _ in expected]
-  if names != want:
+  if names != want and names == [n for n in want if n not in _DERIVED]:
+    expected = [x for x in expected if x[0] not in _DERIVED]
+  elif names != want:
     missing = sorted(set(want) - set(names))
     unexpected = sorted(set(names) - set(want))
     raise CheckpointError(f"{where}: the checkpoint's arrays do not match the spec's state "
@@ -184,6 +192,29 @@ def _check_arrays(manifest, spec: TableSpec, num_shards: Optional[int], where: s
       raise CheckpointError(f"{where}: array {name} is {e['dtype']}{e['shape']} in the manifest, "
                             f"the spec needs {dtype.name}{list(shape)}.")
   return treedef
+
+
+def _add_derived(arrays, manifest, spec: TableSpec, num_shards: Optional[int]):
+  """``arrays`` (in manifest order) completed with the ``_DERIVED`` leaves an older
+  checkpoint lacks, rebuilt from its columns."""
+  _, expected = _expected(spec, num_shards)
+  names = [e.get("leaf") for e in manifest["arrays"]]
+  if len(names) == len(expected):
+    return arrays
+  local = spec if num_shards is None else spec.replace(capacity=spec.capacity // num_shards)
+  hist, bounds = (np.asarray(x) for x in staleness.empty(local))
+  fresh = {".version_hist": hist, ".version_bounds": bounds}
+  by_name = dict(zip(names, arrays, strict=True))
+  lead = () if num_shards is None else (num_shards,)
+  out = [by_name[n] if n in by_name else np.broadcast_to(fresh[n], lead + fresh[n].shape).copy()
+         for n, _, _ in expected]
+  i, j = ([n for n, _, _ in expected].index(k) for k in _DERIVED)
+  occupied, version = by_name[".occupied"], by_name[".version"]
+  rebuild = functools.partial(staleness.rebuild, local)
+  if num_shards is not None:
+    rebuild = jax.vmap(rebuild)
+  out[i], out[j] = (np.asarray(x) for x in rebuild(out[i], out[j], occupied, version))
+  return out
 
 
 def _check_placement(path, num_shards, mesh, axis, as_numpy) -> None:
@@ -261,7 +292,8 @@ def restore(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bo
                           f"checkpoint's {num_shards} shards.")
   _check_placement(path, num_shards, mesh, axis, as_numpy)
   treedef = _check_arrays(manifest, saved_spec, num_shards, mpath)
-  arrays = fmt.read_arrays(path, manifest, verify=verify)
+  arrays = _add_derived(fmt.read_arrays(path, manifest, verify=verify), manifest, saved_spec,
+                        num_shards)
   state = jax.tree_util.tree_unflatten(treedef, arrays)
   if spec.capacity != saved_spec.capacity:
     state = (migrate.grow(saved_spec, spec, state) if num_shards is None

@@ -66,7 +66,8 @@ def grow(old: TableSpec, new: TableSpec, state: TableState) -> TableState:
       metadata={k: put(fresh.metadata[k], v) for k, v in state.metadata.items()},
       write_pos=np.asarray(c if fifo else write_pos, np.int32),
       next_key=state.next_key, max_priority=state.max_priority,
-      limiter_diff=state.limiter_diff, counters=dict(state.counters), **cols)
+      limiter_diff=state.limiter_diff, counters=dict(state.counters),
+      version_bounds=state.version_bounds, **cols)
   return jax.device_get(_rebuild(new)(jax.tree_util.tree_map(jnp.asarray, grown)))
 
 
