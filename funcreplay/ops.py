@@ -276,7 +276,8 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
   c["invalid_priorities"] = ctr.add(c["invalid_priorities"], n_bad)
   max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(win, clean, 0.0), initial=0.0))
   state = state.replace(priority=prio, counters=c, max_priority=max_p)
-  return indexes.refresh(spec, state, safe, win)
+  # Occupancy is unchanged: only the trees ordered by priority move.
+  return indexes.refresh(spec, state, safe, win, which=("weight_tree", "remover_tree"))
 
 
 def set_metadata(spec: TableSpec, state: TableState, slots, keys, column: str,

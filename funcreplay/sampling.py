@@ -85,30 +85,32 @@ def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_
                    reads=None, window=None):
   """Draw ``B`` slots from the weight tree.
 
+  Rounds of ``M`` i.i.d. candidates. The first round leaves the tree as it
+  is: it nearly always fills the batch, and then the call never writes the
+  tree (zeroing and restoring ``M`` leaves costs more than the draw). Each
+  later round first zeroes the previous round's candidates (accepted or
+  found ineligible), so they are not drawn again.
+
   Args:
     reads: values the caller read from the tree before the draw (best passed
-      through ``inplace.once``); the draw, which updates the tree in place,
-      is ordered after them. None: the caller read nothing.
+      through ``inplace.once``); the draw, which may update the tree in
+      place, is ordered after them. None: the caller read nothing.
     window: optional ``(start, filled, hole_free)`` of a uniform Fifo ring
       (``ring_window``). While ``hole_free``, candidates are drawn as ring
       positions, O(1) each, instead of by an O(log C) tree descent; a leaf
-      the rounds have zeroed (picked or found ineligible) is rejected as a
-      repeat. The distribution is the same: uniform over the items.
+      an earlier round zeroed is rejected as a repeat. The distribution is
+      the same: uniform over the items.
 
   Returns:
-    ``(picked int32[B], tree, touched int32[K])``: slots in draw order (-1
-    where fewer eligible items exist), the weight tree with the touched
-    leaves still zeroed, and the touched slots (-1 padded) that the caller
-    must refresh from the columns. The tree is threaded through (not copied)
-    so XLA can update it in place.
+    ``(picked int32[B], tree, zeroed int32[K])``: slots in draw order (-1
+    where fewer eligible items exist), the weight tree, and the slots whose
+    leaves are still zeroed (-1 padded, usually all -1): the caller puts
+    them back with ``restore_zeroed``. The tree is threaded through (not
+    copied) so XLA can update it in place.
   """
   w = _Weights(spec, state)
   b = batch_size
   m = b + max(8, b // 2)
-
-  def cond(c):
-    tree, picked, n, rnd, _, _ = c
-    return (n < b) & (w.total(tree) > 0) & (rnd < ROUNDS)
 
   def draw(tree, u):
     if window is None:
@@ -118,37 +120,71 @@ def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_
                        ) % spec.capacity
     return lax.cond(hole_free, by_ring, lambda: w.draw(tree, u))
 
-  def body(c):
-    tree, picked, n, rnd, u_all, touched = c
-    first, d = _first_occurrence(draw(tree, u_all[rnd]))
+  def one_round(tree, picked, n, u, alive):
+    """Candidates from ``tree``; ``alive``: False once the tree holds no weight."""
+    first, d = _first_occurrence(draw(tree, u))
     # A tree draw never lands on a zeroed leaf; a ring draw may (a repeat from
-    # an earlier round): it is not fresh, and never zeroed or touched twice.
-    fresh = trees.leaf_values(tree, d) > 0 if window is not None else True
+    # an earlier round): it is not fresh, and never zeroed twice.
+    fresh = (trees.leaf_values(tree, d) > 0) & alive if window is not None else alive
     ok = eligible_fn(d) & fresh
     acc = ok if replace else ok & first
     rank = jnp.cumsum(acc.astype(jnp.int32)) - 1
     take = acc & (rank < b - n)
     picked = picked.at[jnp.where(take, n + rank, b)].set(d, mode="drop")
     remove = ((~ok if replace else take | ~ok) & first) & fresh
-    tree = w.zero(tree, d, remove)
-    touched = lax.dynamic_update_slice(touched, jnp.where(remove, d, -1), (rnd * m,))
-    return tree, picked, n + jnp.sum(take, dtype=jnp.int32), rnd + 1, u_all, touched
+    return picked, n + jnp.sum(take, dtype=jnp.int32), jnp.where(remove, d, -1)
 
   rng, fallback_key = jax.random.split(rng)
   # Every round's uniforms in one call: on CPU each jax.random call is a
   # rolled threefry loop with a fixed cost well above the draws themselves.
   u_all = jax.random.uniform(rng, (ROUNDS, m))
   tree0 = w.tree if reads is None else inplace.tie(w.tree, inplace.never(reads))
-  init = (tree0, jnp.full((b,), -1, jnp.int32), jnp.int32(0), jnp.int32(0), u_all,
-          jnp.full((ROUNDS * m,), -1, jnp.int32))
-  tree, picked, n, _, _, touched = lax.while_loop(cond, body, init)
-  # Completion: the weights still in the tree, eligible only.
-  picked = lax.cond((n < b) & (w.total(tree) > 0), functools.partial(
-      _complete, spec, fallback_key, n, replace,
-      lambda: (w.leaves(tree), eligible_all())), lambda p: p, picked)
+  picked, n, cand = one_round(tree0, jnp.full((b,), -1, jnp.int32), jnp.int32(0), u_all[0],
+                              w.total(tree0) > 0)
+  touched = lax.dynamic_update_slice(jnp.full((ROUNDS * m,), -1, jnp.int32), cand, (0,))
+
+  def cond(c):
+    _, _, n, rnd, _ = c
+    return (n < b) & (rnd < ROUNDS)
+
+  def body(c):
+    tree, picked, n, rnd, touched = c
+    prev = lax.dynamic_slice(touched, ((rnd - 1) * m,), (m,))
+    tree = w.zero(tree, jnp.maximum(prev, 0), prev >= 0)
+    alive = w.total(tree) > 0
+    picked, n, cand = one_round(tree, picked, n, u_all[rnd], alive)
+    touched = lax.dynamic_update_slice(touched, cand, (rnd * m,))
+    return tree, picked, n, jnp.where(alive, rnd + 1, ROUNDS), touched
+
+  tree, picked, n, rnd, touched = lax.while_loop(
+      cond, body, (tree0, picked, n, jnp.int32(1), touched))
+  # Leaves of rounds 0 .. rnd - 2 are zeroed; the last round's are not.
+  zeroed = jnp.where(jnp.arange(ROUNDS * m) < (rnd - 1) * m, touched, -1)
+
+  def remaining():
+    # Weights left for the completion: not drawn before (picked or ineligible).
+    idx = jnp.where(touched >= 0, touched, spec.capacity)
+    drawn = jnp.zeros((spec.capacity,), bool).at[idx].set(True, mode="drop")
+    return jnp.where(drawn, 0.0, w.leaves(tree)), eligible_all()
+
+  picked = lax.cond(n < b, functools.partial(_complete, spec, fallback_key, n, replace,
+                                             remaining), lambda p: p, picked)
   # The completion reads the tree: later in-place writes must wait for it.
   tree = inplace.tie(tree, inplace.never(picked))
-  return picked, tree, touched
+  return picked, tree, zeroed
+
+
+def restore_zeroed(spec: TableSpec, state: TableState, zeroed, tree_field: str) -> TableState:
+  """Put the leaves ``_draw_weighted`` left zeroed back, from the columns (a no-op,
+  skipped at run time, when it zeroed none)."""
+  def restore(tree):
+    st = indexes.refresh(spec, state.replace(**{tree_field: tree}), jnp.maximum(zeroed, 0),
+                         zeroed >= 0, which=(tree_field,))
+    return getattr(st, tree_field)
+
+  tree = getattr(state, tree_field)
+  return state.replace(**{tree_field: lax.cond(jnp.any(zeroed >= 0), restore, lambda t: t,
+                                               tree)})
 
 
 def _complete(spec, key, n, replace, weights_fn, picked):
@@ -297,8 +333,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     state, out = _finish(spec, state, picked, prob, num_eligible, ver)
     if touched is not None:
       # Put the temporarily zeroed leaves back, from the (updated) columns.
-      state = indexes.refresh(spec, state, jnp.maximum(touched, 0), touched >= 0,
-                              which=(tree_field,))
+      state = restore_zeroed(spec, state, touched, tree_field)
     # Later operations in the same program (update_priorities, insert) write
     # the columns this call read: order all its reads (the returned rows and,
     # through the tree roots, the refreshes) before them.

@@ -359,7 +359,7 @@ def make_sharded_table(spec: TableSpec, mesh: Mesh, axis: str = "data") -> Shard
       st, out = sampling._finish(  # noqa: SLF001
           lspec, st, jnp.where(keep, picked, -1), prob, lax.psum(n_elig, axis), ver)
       tree_field = "weight_tree" if spec.prioritized else "occ_tree"
-      st = indexes.refresh(lspec, st, jnp.maximum(touched, 0), touched >= 0, which=(tree_field,))
+      st = sampling.restore_zeroed(lspec, st, touched, tree_field)
       return _expand(st), _expand(out)
 
     return smap(body, (sh, rep, rep, sh), (sh, sh))(

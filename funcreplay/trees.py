@@ -56,12 +56,48 @@ def refresh_sum(tree: jnp.ndarray, slots: jnp.ndarray, values: jnp.ndarray,
     valid = jnp.ones(slots.shape, bool)
   leaf = jnp.where(valid, p + slots, 2 * p)  # out of range -> dropped
   tree = tree.at[leaf].set(values.astype(tree.dtype), mode="drop")
+  if slots.shape[0] <= _FEW:
+    return _recompute_in_blocks(tree, jnp.where(valid, p + slots, p), valid)
   node = jnp.where(valid, p + slots, 1)
   for _ in range(depth(p)):
     node = jnp.maximum(node // 2, 1)
     # Invalid entries point at the root, which the last level recomputes
     # correctly after all its descendants are final.
     tree = tree.at[node].set(tree[2 * node] + tree[2 * node + 1])
+  return tree
+
+
+# Few changed leaves: recompute ``_BLOCK`` levels per gather/scatter pair.
+# Each array operation has a fixed cost on CPU that dominates small batches
+# (a one-item insert into a 1M-slot prioritized table: 66 -> 17 us for the
+# weight tree); for large batches the extra nodes moved cost more than that.
+_FEW, _BLOCK = 128, 4
+
+
+def _recompute_in_blocks(tree, leaf, valid):
+  """Recompute the ancestors of ``leaf`` (tree indices ``[K]``) ``_BLOCK`` levels at a time.
+
+  Each step gathers the ``2**k`` final nodes under the ancestor ``k`` levels
+  up and rewrites every node between them and it, each as ``left + right``
+  of its children: the same float operations in the same order as a
+  level-by-level recompute, so the result is bit-identical. Nodes off the
+  changed paths are rewritten with the values they already hold.
+  """
+  p = tree.shape[0] // 2
+  done, levels = 0, depth(p)
+  while done < levels:
+    k = min(_BLOCK, levels - done)
+    top = leaf >> (done + k)
+    vals = tree[(top << k)[:, None] + jnp.arange(1 << k)[None, :]]
+    outs, idxs = [], []
+    for j in range(1, k + 1):
+      vals = vals[:, 0::2] + vals[:, 1::2]
+      idx = (top << (k - j))[:, None] + jnp.arange(1 << (k - j))[None, :]
+      outs.append(vals)
+      idxs.append(jnp.where(valid[:, None], idx, 2 * p))
+    tree = tree.at[jnp.concatenate(idxs, 1).reshape(-1)].set(
+        jnp.concatenate(outs, 1).reshape(-1), mode="drop")
+    done += k
   return tree
 
 

@@ -382,3 +382,27 @@ def test_count_tree_refresh_equals_rebuild(capacity, updates):
   tree = trees.refresh_count(tree, jnp.asarray(slots, jnp.int32), jnp.asarray(values, jnp.int32),
                              jnp.asarray(valid))
   np.testing.assert_array_equal(np.asarray(tree), np.asarray(trees.build_sum(jnp.asarray(leaves))))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 300), st.lists(st.tuples(st.integers(0, 299), st.floats(0, 10, width=32)),
+                                     min_size=1, max_size=6), st.integers(0, 2**16))
+def test_sum_tree_block_refresh_is_bit_identical(capacity, updates, seed):
+  """Few updates recompute 4 levels per step; many go level by level: same bits."""
+  from funcreplay import trees
+  p = 1 << max(0, (capacity - 1).bit_length())
+  leaves = np.random.default_rng(seed).random(p).astype(np.float32)
+  tree = trees.build_sum(jnp.asarray(leaves))
+  slots = np.array([s % capacity for s, _ in updates], np.int32)
+  values = np.array([v for _, v in updates], np.float32)
+  _, last = np.unique(slots[::-1], return_index=True)  # one value per slot
+  keep = np.zeros(len(slots), bool)
+  keep[len(slots) - 1 - last] = True
+  few = trees.refresh_sum(tree, jnp.asarray(slots), jnp.asarray(values), jnp.asarray(keep))
+  pad = 200 - len(slots)  # > 128 entries: the level-by-level path
+  many = trees.refresh_sum(tree, jnp.asarray(np.r_[slots, np.zeros(pad, np.int32)]),
+                           jnp.asarray(np.r_[values, np.zeros(pad, np.float32)]),
+                           jnp.asarray(np.r_[keep, np.zeros(pad, bool)]))
+  np.testing.assert_array_equal(np.asarray(few).view(np.uint32), np.asarray(many).view(np.uint32))
+  leaves[slots[keep]] = values[keep]
+  np.testing.assert_allclose(np.asarray(few[1]), leaves.astype(np.float64).sum(), rtol=1e-5)
