@@ -148,6 +148,7 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   if unknown:
     raise ValueError(f"insert: unknown metadata columns {sorted(unknown)}; the spec declares "
                      f"{list(spec.metadata)}.")
+  all_rows = mask is None
   mask = jnp.ones((b,), bool) if mask is None else _rows(mask, b, bool, "insert mask")
   versions = _rows(version, b, jnp.int32, "insert version")
   if priority is None:
@@ -158,8 +159,11 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   meta_rows = {k: _rows(metadata.get(k, 0), b, jnp.int32, f"metadata[{k!r}]")
                for k in spec.metadata}
 
-  rank = jnp.cumsum(mask.astype(jnp.int32)) - 1
-  n_real = jnp.sum(mask.astype(jnp.int32))
+  if all_rows:  # every row is real: ranks are known when tracing (no scan over the mask)
+    rank, n_real = jnp.arange(b, dtype=jnp.int32), jnp.int32(b)
+  else:
+    rank = jnp.cumsum(mask.astype(jnp.int32)) - 1
+    n_real = jnp.sum(mask.astype(jnp.int32))
   keys = state.next_key + rank.astype(jnp.uint32)
   # Advance next_key first: item ages (next_key - key) order the remover trees.
   state = state.replace(next_key=state.next_key + n_real.astype(jnp.uint32))

@@ -82,7 +82,7 @@ class _Weights:
 
 
 def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_all,
-                   reads=None, window=None):
+                   reads=None, window=None, masked=True):
   """Draw ``B`` slots from the weight tree.
 
   Rounds of ``M`` i.i.d. candidates. The first round leaves the tree as it
@@ -100,6 +100,9 @@ def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_
       positions, O(1) each, instead of by an O(log C) tree descent; a leaf
       an earlier round zeroed is rejected as a repeat. The distribution is
       the same: uniform over the items.
+    masked: False if no ``where`` / staleness mask applies. With
+      replacement every candidate is then accepted, so repeats need not be
+      found (a sort) and nothing is zeroed.
 
   Returns:
     ``(picked int32[B], tree, zeroed int32[K])``: slots in draw order (-1
@@ -120,9 +123,14 @@ def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_
                        ) % spec.capacity
     return lax.cond(hole_free, by_ring, lambda: w.draw(tree, u))
 
+  track = masked or not replace  # candidates can be rejected: find repeats, zero them
+
   def one_round(tree, picked, n, u, alive):
     """Candidates from ``tree``; ``alive``: False once the tree holds no weight."""
-    first, d = _first_occurrence(draw(tree, u))
+    if track:
+      first, d = _first_occurrence(draw(tree, u))
+    else:
+      first, d = True, draw(tree, u)
     # A tree draw never lands on a zeroed leaf; a ring draw may (a repeat from
     # an earlier round): it is not fresh, and never zeroed twice.
     fresh = (trees.leaf_values(tree, d) > 0) & alive if window is not None else alive
@@ -131,16 +139,15 @@ def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_
     rank = jnp.cumsum(acc.astype(jnp.int32)) - 1
     take = acc & (rank < b - n)
     picked = picked.at[jnp.where(take, n + rank, b)].set(d, mode="drop")
-    remove = ((~ok if replace else take | ~ok) & first) & fresh
+    remove = ((~ok if replace else take | ~ok) & first) & fresh & track
     return picked, n + jnp.sum(take, dtype=jnp.int32), jnp.where(remove, d, -1)
 
-  rng, fallback_key = jax.random.split(rng)
-  # Every round's uniforms in one call: on CPU each jax.random call is a
-  # rolled threefry loop with a fixed cost well above the draws themselves.
-  u_all = jax.random.uniform(rng, (ROUNDS, m))
+  # Uniforms for later rounds are drawn only when those rounds run: on CPU
+  # the threefry draws cost more than the rest of a round.
+  k_first, k_more, fallback_key = jax.random.split(rng, 3)
   tree0 = w.tree if reads is None else inplace.tie(w.tree, inplace.never(reads))
-  picked, n, cand = one_round(tree0, jnp.full((b,), -1, jnp.int32), jnp.int32(0), u_all[0],
-                              w.total(tree0) > 0)
+  picked, n, cand = one_round(tree0, jnp.full((b,), -1, jnp.int32), jnp.int32(0),
+                              jax.random.uniform(k_first, (m,)), w.total(tree0) > 0)
   touched = lax.dynamic_update_slice(jnp.full((ROUNDS * m,), -1, jnp.int32), cand, (0,))
 
   def cond(c):
@@ -149,10 +156,12 @@ def _draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_
 
   def body(c):
     tree, picked, n, rnd, touched = c
-    prev = lax.dynamic_slice(touched, ((rnd - 1) * m,), (m,))
-    tree = w.zero(tree, jnp.maximum(prev, 0), prev >= 0)
+    if track:
+      prev = lax.dynamic_slice(touched, ((rnd - 1) * m,), (m,))
+      tree = w.zero(tree, jnp.maximum(prev, 0), prev >= 0)
     alive = w.total(tree) > 0
-    picked, n, cand = one_round(tree, picked, n, u_all[rnd], alive)
+    u = jax.random.uniform(jax.random.fold_in(k_more, rnd), (m,))
+    picked, n, cand = one_round(tree, picked, n, u, alive)
     touched = lax.dynamic_update_slice(touched, cand, (rnd * m,))
     return tree, picked, n, jnp.where(alive, rnd + 1, ROUNDS), touched
 
@@ -308,7 +317,8 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
         start, filled = ring_window(spec, state)
         window = (start, filled, size0 == filled)
       picked, tree, touched = _draw_weighted(spec, state, rng, b, replace, eligible_fn,
-                                             eligible_all, (size0, unmasked_total), window)
+                                             eligible_all, (size0, unmasked_total), window,
+                                             masked)
     safe = jnp.maximum(picked, 0)
     if spec.prioritized:
       w_item = indexes.sample_weight(spec, ops.take(state.occupied, safe),
@@ -330,7 +340,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     flag = inplace.never((picked, prob, num_eligible))
     state = state.replace(occupied=inplace.tie(state.occupied, flag),
                           **{tree_field: inplace.tie(tree, flag)})
-    state, out = _finish(spec, state, picked, prob, num_eligible, ver)
+    state, out = _finish(spec, state, picked, prob, num_eligible, ver, replace)
     if touched is not None:
       # Put the temporarily zeroed leaves back, from the (updated) columns.
       state = restore_zeroed(spec, state, touched, tree_field)
@@ -340,10 +350,12 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     roots = [t[1] for t in (state.occ_tree, state.weight_tree, state.remover_tree) if t.size]
     state = inplace.settle(state, (out, roots), spec.capacity)
     return state, out
-  return _finish(spec, state, picked, prob, num_eligible, ver)
+  return _finish(spec, state, picked, prob, num_eligible, ver, replace=False)
 
 
-def _finish(spec, state, picked, prob, num_eligible, ver):
+def _finish(spec, state, picked, prob, num_eligible, ver, replace):
+  """Gather the rows of ``picked`` (-1: invalid), count the sample, free items
+  that reached ``max_times_sampled``. ``replace``: ``picked`` may repeat a slot."""
   valid = picked >= 0
   safe = jnp.maximum(picked, 0)
   cap = spec.capacity
@@ -375,8 +387,8 @@ def _finish(spec, state, picked, prob, num_eligible, ver):
       version=jnp.where(valid, ops.take(state.version, safe), 0))
   if spec.max_times_sampled > 0:
     exhausted = valid & (ops.take(times, safe) >= spec.max_times_sampled)
-    # With replacement a slot can appear twice: count it once.
-    exhausted = ops.last_occurrence(safe, exhausted)
+    if replace:  # a slot can appear twice: count it once (without, rows are distinct)
+      exhausted = ops.last_occurrence(safe, exhausted)
     state = ops._remove(spec, state, safe, exhausted, "evicted_reuse")  # noqa: SLF001
     state = indexes.refresh(spec, state, safe, exhausted)
   return state, Sample(data=data, valid=valid, info=info, num_eligible=num_eligible)

@@ -357,7 +357,7 @@ def make_sharded_table(spec: TableSpec, mesh: Mesh, axis: str = "data") -> Shard
       prob = w_item / jnp.maximum(g_total, 1e-30)
       st = st.replace(**{("weight_tree" if spec.prioritized else "occ_tree"): tree})
       st, out = sampling._finish(  # noqa: SLF001
-          lspec, st, jnp.where(keep, picked, -1), prob, lax.psum(n_elig, axis), ver)
+          lspec, st, jnp.where(keep, picked, -1), prob, lax.psum(n_elig, axis), ver, replace)
       tree_field = "weight_tree" if spec.prioritized else "occ_tree"
       st = sampling.restore_zeroed(lspec, st, touched, tree_field)
       return _expand(st), _expand(out)

@@ -20,8 +20,8 @@ from tests.helpers import ITEM, assert_trees_consistent, items_from_ids, jitted
 CAP = 24
 
 
-@pytest.mark.parametrize("max_staleness,expected", [(0, 8), (3, 8), (4, 16), (100, 256),
-                                                    (5000, staleness.MAX_WINDOW)])
+@pytest.mark.parametrize("max_staleness,expected", [
+    (0, 8), (3, 8), (4, 16), (100, 256), (2047, staleness.MAX_WINDOW), (2048, 8), (1 << 30, 8)])
 def test_window_size(max_staleness, expected):
   assert staleness.window(fr.TableSpec(8, ITEM, max_staleness=max_staleness)) == expected
   assert staleness.window(fr.TableSpec(8, ITEM)) == 0
