@@ -2,11 +2,13 @@
 
 Weighted selectors (Uniform, Prioritized) draw from a device tree:
 
-1. Draw ``M`` candidates i.i.d. from the tree (O(M log C)).
+1. Draw ``M`` candidates i.i.d. from the tree (O(M log C); a hole-free
+   uniform Fifo ring draws ring positions instead, O(M)).
 2. Keep, in draw order, the first occurrence of each eligible candidate.
-   Candidates found ineligible (stale, outside ``where``) and accepted ones
-   are zeroed in the tree *for the rest of this call*.
-3. Repeat until ``B`` are accepted or the tree is empty (a few rounds).
+3. If the batch is not full (masks rejected many candidates), zero the
+   candidates seen so far in the tree for the rest of this call and draw
+   another round; at most ``ROUNDS`` rounds. The zeroed leaves are put back
+   from the columns at the end.
 
 Step 2 is exactly *successive sampling* (sampling without replacement
 proportionally to weight): i.i.d. draws with repeats discarded are draws from
