@@ -58,7 +58,7 @@ def last_occurrence(slots, valid):
   k = slots.shape[0]
   sort_key = jnp.where(valid, slots, jnp.iinfo(jnp.int32).max)
   pos = jnp.arange(k, dtype=jnp.int32)
-  s_key, s_pos = lax.sort((sort_key, pos), num_keys=2)
+  s_key, s_pos = lax.sort((sort_key, pos), num_keys=1, is_stable=True)
   is_last_sorted = jnp.concatenate([s_key[1:] != s_key[:-1], jnp.ones((1,), bool)])
   is_last = jnp.zeros((k,), bool).at[s_pos].set(is_last_sorted)
   return is_last & valid

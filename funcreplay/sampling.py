@@ -50,7 +50,7 @@ def _first_occurrence(d):
   """
   m = d.shape[0]
   pos = jnp.arange(m, dtype=jnp.int32)
-  s_d, s_pos = lax.sort((d, pos), num_keys=2)
+  s_d, s_pos = lax.sort((d, pos), num_keys=1, is_stable=True)
   first_sorted = jnp.concatenate([jnp.ones((1,), bool), s_d[1:] != s_d[:-1]])
   first = jnp.zeros((m,), bool).at[s_pos].set(first_sorted, unique_indices=True)
   return first, jnp.zeros((m,), d.dtype).at[s_pos].set(s_d, unique_indices=True)
