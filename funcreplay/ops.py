@@ -304,8 +304,7 @@ def stale_mask(spec: TableSpec, state: TableState, version):
   """bool[C]: occupied items older than ``max_staleness`` at ``version``."""
   if spec.max_staleness is None:
     return jnp.zeros_like(state.occupied)
-  age = jnp.asarray(version, jnp.int32) - state.version
-  return state.occupied & (age > spec.max_staleness)
+  return state.occupied & (state.version < staleness.threshold(spec, version))
 
 
 def evict_stale(spec: TableSpec, state: TableState, version) -> TableState:
@@ -352,9 +351,8 @@ def count(spec: TableSpec, state: TableState, where=None, version=None, size=Non
   full = lambda: jnp.sum(eligible_mask(spec, state, version, where), dtype=jnp.int32)  # noqa: E731
   if where is not None:
     return full()
-  threshold = jnp.asarray(version, jnp.int32) - spec.max_staleness
-  return staleness.count_fresh(spec, state.version_hist, state.version_bounds, size, threshold,
-                               full)
+  return staleness.count_fresh(spec, state.version_hist, state.version_bounds, size,
+                               staleness.threshold(spec, version), full)
 
 
 def can_insert(spec: TableSpec, state: TableState, num_items=1):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from funcreplay import counters as ctr
-from funcreplay import indexes, inplace, ops, ordering, trees
+from funcreplay import indexes, inplace, ops, ordering, staleness, trees
 from funcreplay import rate_limiters as rl
 from funcreplay import selectors as sel
 from funcreplay.spec import TableSpec
@@ -291,7 +291,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   def eligible_fn(slots):
     ok = state.occupied[slots]
     if ver is not None and spec.max_staleness is not None:
-      ok = ok & (ver - state.version[slots] <= spec.max_staleness)
+      ok = ok & (state.version[slots] >= staleness.threshold(spec, ver))
     if where is not None:
       ok = ok & eligible_where[slots]
     return ok

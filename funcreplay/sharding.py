@@ -52,7 +52,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from funcreplay import counters as ctr
-from funcreplay import indexes, ops, sampling
+from funcreplay import indexes, ops, sampling, staleness
 from funcreplay import selectors as sel
 from funcreplay.functional import FunctionalTable, make_table
 from funcreplay.spec import TableSpec
@@ -471,7 +471,7 @@ def _eligibility(spec, state, ver, where):
   def eligible_fn(slots):
     ok = state.occupied[slots]
     if ver is not None and spec.max_staleness is not None:
-      ok = ok & (ver - state.version[slots] <= spec.max_staleness)
+      ok = ok & (state.version[slots] >= staleness.threshold(spec, ver))
     if eligible_where is not None:
       ok = ok & eligible_where[slots]
     return ok

@@ -67,6 +67,18 @@ def empty(spec: TableSpec):
   return jnp.zeros((v,), jnp.int32), jnp.asarray([0, 0, _NONE], jnp.int32)
 
 
+def threshold(spec: TableSpec, version) -> jnp.ndarray:
+  """int32[]: the oldest version still fresh at ``version``: ``version - max_staleness``,
+  saturated at the int32 minimum (every item is fresh) instead of wrapping.
+
+  An item is eligible when ``item_version >= threshold``. Comparing versions
+  to this threshold, never ``version - item_version`` to ``max_staleness``,
+  keeps the test exact for any two int32 versions (that difference can wrap).
+  """
+  lowest = jnp.iinfo(jnp.int32).min + spec.max_staleness  # fits: 0 <= max_staleness < 2**31
+  return jnp.maximum(jnp.asarray(version, jnp.int32), jnp.int32(lowest)) - spec.max_staleness
+
+
 def _bucket_versions(hi, v):
   """int32[V]: the version bucket ``b`` stands for, in the window ``(hi - V, hi]``."""
   b = jnp.arange(v, dtype=jnp.int32)

@@ -118,3 +118,25 @@ def test_restoring_a_checkpoint_without_the_index_rebuilds_it(tmp_path):
   count = _count_fn(spec)
   for v in (5, 10, 11, 12):
     assert int(count(restored, v)[0]) == int(count(state, v)[1])
+
+
+@pytest.mark.parametrize("max_staleness,versions,queries", [
+    (2**31 - 1, [0, 5], [-2, 0, 2**31 - 1]),              # "no limit" as the int32 maximum
+    (2**30, [0, 5], [-2**30 - 5, -2**31, 2**30 + 5]),      # version - max_staleness underflows
+    (10, [-2**31 + 3, 7], [-2**31 + 3, -2**31 + 14, 20]),
+    (10, [-2**30, 2**30], [2**30, 2**30 + 10, -2**30 + 5]),  # version - item_version overflows
+])
+def test_extreme_versions_are_exact(max_staleness, versions, queries):
+  """Counts, masks and sampled rows agree with exact integer arithmetic for any int32
+  versions (no wrap-around in ``version - max_staleness`` or in item ages)."""
+  spec = fr.TableSpec(8, ITEM, max_staleness=max_staleness)
+  f = jitted(spec)
+  state = f["insert"](f["table"].init(), items_from_ids(np.arange(len(versions))),
+                      version=np.array(versions, np.int32))
+  count = _count_fn(spec)
+  for v in queries:
+    truth = sum(int(v) - int(x) <= max_staleness for x in versions)
+    fast, full = count(state, np.int32(v))
+    assert int(fast) == truth and int(full) == truth, (v, int(fast), int(full), truth)
+    _, out = f["sample"](state, jax.random.PRNGKey(0), batch_size=2, version=np.int32(v))
+    assert int(out.valid.sum()) == truth and int(out.num_eligible) == truth
