@@ -107,26 +107,28 @@ def advance(spec: TableSpec, hist, bounds, versions, mask):
 
 def add(spec: TableSpec, hist, bounds, versions, mask):
   """Index ``versions[mask]`` (int32[K], all ``<= hi``: ``advance`` first). O(K)."""
-  v = window(spec)
-  if not v:
-    return hist, bounds
-  hi, n_old, old_min = bounds[0], bounds[1], bounds[2]
-  in_window = mask & (versions > hi - v)
-  hist = hist.at[jnp.where(in_window, versions & (v - 1), v)].add(1, mode="drop")
-  n_old, old_min = _old(n_old, old_min, versions, mask & ~in_window)
-  return hist, jnp.stack([hi, n_old, old_min])
+  return _shift(spec, hist, bounds, versions, mask, 1)
 
 
 def on_remove(spec: TableSpec, hist, bounds, versions, mask):
   """Un-index ``versions[mask]`` (int32[K]) of items being removed. O(K)."""
+  return _shift(spec, hist, bounds, versions, mask, -1)
+
+
+def _shift(spec, hist, bounds, versions, mask, delta: int):
+  """Count ``versions[mask]`` in (``delta`` = 1) or out (-1) of the index."""
   v = window(spec)
   if not v:
     return hist, bounds
   hi, n_old, old_min = bounds[0], bounds[1], bounds[2]
   in_window = mask & (versions > hi - v)
-  hist = hist.at[jnp.where(in_window, versions & (v - 1), v)].add(-1, mode="drop")
-  n_old = n_old - jnp.sum(mask & ~in_window, dtype=jnp.int32)
-  old_min = jnp.where(n_old > 0, old_min, _NONE)
+  hist = hist.at[jnp.where(in_window, versions & (v - 1), v)].add(delta, mode="drop")
+  old = mask & ~in_window
+  n_old = n_old + delta * jnp.sum(old, dtype=jnp.int32)
+  if delta > 0:
+    old_min = jnp.minimum(old_min, jnp.min(jnp.where(old, versions, _NONE)))
+  else:  # a lower bound: not raised when old items leave, reset when none is left
+    old_min = jnp.where(n_old > 0, old_min, _NONE)
   return hist, jnp.stack([hi, n_old, old_min])
 
 
