@@ -4,7 +4,7 @@ The buffer is a value (``TableState``, a pytree of preallocated arrays)
 transformed by pure, jit-compatible functions built by ``make_table(spec)``.
 """
 
-from funcreplay import checkpoint, counters
+from funcreplay import checkpoint, counters, native
 from funcreplay.checkpoint import CheckpointError, PeriodicCheckpointer, restore, save
 from funcreplay.functional import FunctionalTable, make_table
 from funcreplay.ingest import (
@@ -35,5 +35,5 @@ __all__ = [
     "ShardedTable", "make_sharded_table", "Table", "TableClosedError", "checkpoint",
     "CheckpointError", "PeriodicCheckpointer", "save", "restore", "Ingestor",
     "IngestorClosedError", "IngestorError", "IngestorFullError", "IngestorStats",
-    "SequenceWriter", "WriterStats", "sequence_signature",
+    "SequenceWriter", "WriterStats", "sequence_signature", "native",
 ]

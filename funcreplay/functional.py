@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
+from funcreplay import native as native_lib
 from funcreplay import ops, sampling
 from funcreplay import state as state_lib
 from funcreplay.spec import TableSpec
@@ -32,8 +33,13 @@ class FunctionalTable(NamedTuple):
   stats: Callable[..., ops.Stats]
 
 
-def make_table(spec: TableSpec) -> FunctionalTable:
+def make_table(spec: TableSpec, *, native: Optional[bool] = None) -> FunctionalTable:
   """Build the pure functions of a table described by ``spec``.
+
+  ``native``: on CPU, run the operations that have one through a native
+  kernel (``funcreplay.native``: same semantics, far fewer XLA operations).
+  False keeps the portable JAX implementation everywhere; None (default):
+  ``funcreplay.native.default()``, initially True.
 
   Example::
 
@@ -45,13 +51,14 @@ def make_table(spec: TableSpec) -> FunctionalTable:
   if not isinstance(spec, TableSpec):
     raise TypeError(f"make_table expects a TableSpec, got {type(spec).__name__}.")
   p = functools.partial
+  native = native_lib.default() if native is None else bool(native)
   return FunctionalTable(
       spec=spec,
       init=p(state_lib.init_state, spec),
-      insert=p(ops.insert, spec),
-      sample=p(sampling.sample, spec),
+      insert=p(ops.insert, spec, native=native),
+      sample=p(sampling.sample, spec, native=native),
       delete=p(ops.delete, spec),
-      update_priorities=p(ops.update_priorities, spec),
+      update_priorities=p(ops.update_priorities, spec, native=native),
       set_metadata=p(ops.set_metadata, spec),
       evict_stale=p(ops.evict_stale, spec),
       count=p(ops.count, spec),

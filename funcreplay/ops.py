@@ -16,6 +16,7 @@ from jax import lax
 
 from funcreplay import counters as ctr
 from funcreplay import indexes, inplace, staleness, trees
+from funcreplay import native as native_lib
 from funcreplay import rate_limiters as rl
 from funcreplay import selectors as sel
 from funcreplay.spec import TableSpec
@@ -115,7 +116,8 @@ def _scatter_rows(tree_data, slots, rows_data, write):
 # --- insert -----------------------------------------------------------------
 
 def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priority=None,
-           mask=None, metadata: Optional[Mapping[str, Any]] = None, rng=None) -> TableState:
+           mask=None, metadata: Optional[Mapping[str, Any]] = None, rng=None,
+           native: bool = False) -> TableState:
   """Insert a batch of ``B`` items (``B`` static, ``B <= capacity``).
 
   Args:
@@ -128,6 +130,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
       insert fixed-size batches without recompiling.
     metadata: dict column -> int32 scalar or ``[B]`` (missing columns: 0).
     rng: PRNG key, required only by the ``Uniform`` remover.
+    native: use the native CPU kernel where one applies (``funcreplay.native``;
+      ``make_table`` sets this). Other backends run the JAX implementation.
 
   Returns:
     The new state. Rows are inserted in order as if one at a time: free slots
@@ -164,6 +168,27 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   else:
     rank = jnp.cumsum(mask.astype(jnp.int32)) - 1
     n_real = jnp.sum(mask.astype(jnp.int32))
+
+  def portable(state):
+    return _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_real, rng)
+
+  if native and native_lib.supports_insert(spec) and native_lib.available():
+    from funcreplay.native import insert as native_insert
+    state = lax.platform_dependent(
+        state, cpu=lambda st: native_insert.insert(spec, st, items, mask, versions, prios,
+                                                   meta_rows, n_real),
+        default=portable)
+  else:
+    state = portable(state)
+  c = dict(state.counters)
+  c["invalid_priorities"] = ctr.add(c["invalid_priorities"], n_bad)
+  max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(mask, prios, 0.0)))
+  return state.replace(counters=c, max_priority=max_p)
+
+
+def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_real, rng):
+  """``insert`` from the validated rows on, in JAX operations (every backend)."""
+  cap = spec.capacity
   keys = state.next_key + rank.astype(jnp.uint32)
   # Advance next_key first: item ages (next_key - key) order the remover trees.
   state = state.replace(next_key=state.next_key + n_real.astype(jnp.uint32))
@@ -186,10 +211,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
 
   c = dict(state.counters)
   c["inserts"] = ctr.add(c["inserts"], n_real)
-  c["invalid_priorities"] = ctr.add(c["invalid_priorities"], n_bad)
-  max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(mask, prios, 0.0)))
   return state.replace(
-      counters=c, max_priority=max_p,
+      counters=c,
       limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, inserted=n_real))
 
 
@@ -263,15 +286,28 @@ def delete(spec: TableSpec, state: TableState, slots, keys) -> TableState:
   return indexes.refresh(spec, state, safe, ok)
 
 
-def update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities) -> TableState:
+def update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities, *,
+                      native: bool = False) -> TableState:
   """Set priorities where the slot still holds ``keys``; others are ignored.
 
   Duplicate slots in one call: the last occurrence wins. Negative, NaN or
   infinite priorities are stored as 0 and counted in
   ``stats().invalid_priorities`` (the host ``Table`` raises instead).
+  ``native``: use the native CPU kernel where one applies (``make_table`` sets it).
   """
   slots = jnp.asarray(slots, jnp.int32)
   priorities = jnp.broadcast_to(jnp.asarray(priorities, jnp.float32), slots.shape)
+  keys = jnp.broadcast_to(jnp.asarray(keys, jnp.uint32), slots.shape)
+  if native and native_lib.supports_update_priorities(spec) and native_lib.available():
+    from funcreplay.native import priorities as native_priorities
+    return lax.platform_dependent(
+        state, cpu=lambda st: native_priorities.update_priorities(spec, st, slots, keys,
+                                                                  priorities),
+        default=lambda st: _update_priorities(spec, st, slots, keys, priorities))
+  return _update_priorities(spec, state, slots, keys, priorities)
+
+
+def _update_priorities(spec, state, slots, keys, priorities):
   safe, ok = _key_matches(state, slots, keys)
   win = last_occurrence(safe, ok)
   clean, n_bad = _sanitize_priorities(priorities, win)

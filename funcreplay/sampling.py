@@ -31,6 +31,7 @@ from jax import lax
 
 from funcreplay import counters as ctr
 from funcreplay import indexes, inplace, ops, ordering, staleness, trees
+from funcreplay import native as native_lib
 from funcreplay import rate_limiters as rl
 from funcreplay import selectors as sel
 from funcreplay.spec import TableSpec
@@ -246,7 +247,8 @@ def _draw_stratified(spec, state, rng, batch_size):
 
 
 def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=None,
-           where=None, replace: bool = False, stratified: bool = False):
+           where=None, replace: bool = False, stratified: bool = False,
+           native: bool = False):
   """Sample ``batch_size`` items.
 
   Args:
@@ -262,6 +264,8 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     stratified: (Uniform / Prioritized, with ``replace=True``, no masks)
       split the total weight into ``B`` equal strata and draw one item from
       each, as in PER's proportional variant; rows come in random order.
+    native: use the native CPU kernel where one applies (``funcreplay.native``;
+      ``make_table`` sets this). Other backends run the JAX implementation.
 
   Returns:
     ``(state, Sample)``. The state has ``times_sampled`` incremented for every
@@ -284,6 +288,17 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     raise ValueError("sample: stratified=True needs replace=True, a Uniform or Prioritized "
                      "sampler, and no where/staleness mask (strata are over the whole table).")
   ver = None if version is None else jnp.asarray(version, jnp.int32)
+  args = (spec, state, rng, b, ver, where, replace)
+  if native and native_lib.supports_sample(spec, stratified) and native_lib.available():
+    from funcreplay.native import sample as native_sample
+    return lax.platform_dependent(
+        cpu=lambda: native_sample.sample(*args),
+        default=lambda: _sample_portable(*args, stratified=stratified, masked=masked))
+  return _sample_portable(*args, stratified=stratified, masked=masked)
+
+
+def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, masked):
+  """``sample`` in JAX operations (every backend); arguments validated."""
 
   def eligible_all():
     return ops.eligible_mask(spec, state, ver, where)

@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 
 from funcreplay import inplace, ops, sampling
+from funcreplay import native as native_lib
 from funcreplay import selectors as sel
 from funcreplay import signature as sig_lib
 from funcreplay import state as state_lib
@@ -72,7 +73,7 @@ def _where_mask(state: TableState, where, where_cols):
 class _Ops:
   """The jitted operations of one spec (shared by every ``Table`` of that spec)."""
 
-  def __init__(self, spec: TableSpec):
+  def __init__(self, spec: TableSpec, native: bool):
     self.spec = spec
     limiter = spec.rate_limiter
     uniform_remover = isinstance(spec.remover, sel.Uniform)
@@ -92,7 +93,8 @@ class _Ops:
       default = state.max_priority if spec.default_priority is None else spec.default_priority
       priority = jnp.where(has_priority, priority, default)
       state = ops.insert(spec, state, items, version=version, priority=priority, mask=mask,
-                         metadata=metadata, rng=sub if uniform_remover else None)
+                         metadata=metadata, rng=sub if uniform_remover else None,
+                         native=native)
       rng = jnp.where(k > 0, new_rng, rng) if uniform_remover else rng
       return state, rng, k
 
@@ -108,7 +110,7 @@ class _Ops:
 
       def do(s):
         return sampling.sample(spec, s, sub, batch_size=batch_size, version=version,
-                               where=mask, replace=replace)
+                               where=mask, replace=replace, native=native)
 
       def skip(s):
         shapes = jax.eval_shape(do, s)[1]
@@ -131,7 +133,7 @@ class _Ops:
       return ops.delete(spec, state, slots, keys)
 
     def update_priorities(state, slots, keys, priorities):
-      return ops.update_priorities(spec, state, slots, keys, priorities)
+      return ops.update_priorities(spec, state, slots, keys, priorities, native=native)
 
     def set_metadata(state, slots, keys, values, *, column):
       return ops.set_metadata(spec, state, slots, keys, column, values)
@@ -149,9 +151,13 @@ class _Ops:
     self.copy = jax.jit(_copy_tree)
 
 
-@functools.lru_cache(maxsize=64)
 def _ops_for(spec: TableSpec) -> _Ops:
-  return _Ops(spec)
+  return _cached_ops(spec, native_lib.default())
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_ops(spec: TableSpec, native: bool) -> _Ops:
+  return _Ops(spec, native)
 
 
 # --- host-side validation helpers ---------------------------------------------

@@ -11,6 +11,34 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+# function_scoped_fixture: ``both_implementations`` only picks the implementation;
+# it holds nothing that examples could share.
 settings.register_profile(
-    "ci", deadline=None, max_examples=25, suppress_health_check=[HealthCheck.too_slow])
+    "ci", deadline=None, max_examples=25,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(params=["native", "portable"])
+def both_implementations(request):
+  """Run a test once with the native CPU kernels and once with the portable JAX
+  implementation (``funcreplay.native``): both must honour the same contract.
+
+  Modules opt in with ``pytestmark = pytest.mark.usefixtures("both_implementations")``.
+  The native run fails (not skips) when a compiler exists but the kernels do
+  not build; it skips only on a machine without a C++ compiler.
+  """
+  from funcreplay import native
+  from funcreplay.native import build
+
+  if request.param == "native":
+    if not native.available():
+      if build.compiler() is None:
+        pytest.skip("no C++ compiler: the native kernels cannot be built here")
+      pytest.fail(f"native kernels failed to build: {native.error()}")
+  previous = native.default()
+  native.set_default(request.param == "native")
+  yield request.param
+  native.set_default(previous)

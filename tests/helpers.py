@@ -20,10 +20,14 @@ def items_from_ids(ids):
   return {"x": jnp.asarray(ids), "y": jnp.asarray(np.stack([ids, -ids], -1).astype(np.float32))}
 
 
-@functools.lru_cache(maxsize=None)
 def jitted(spec: fr.TableSpec):
-  """Jitted pure functions of ``spec`` (cached per spec: specs are hashable)."""
-  t = fr.make_table(spec)
+  """Jitted pure functions of ``spec`` (cached per spec and implementation)."""
+  return _jitted(spec, fr.native.default())
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(spec: fr.TableSpec, native: bool):
+  t = fr.make_table(spec, native=native)
   return dict(
       table=t,
       insert=jax.jit(t.insert),

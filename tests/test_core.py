@@ -18,6 +18,9 @@ from funcreplay import counters as ctr
 from funcreplay import indexes
 from tests.helpers import ITEM, counters_dict, items_from_ids, jitted
 
+# Every test here runs against both implementations (see conftest.py).
+pytestmark = pytest.mark.usefixtures("both_implementations")
+
 # Chi-square tests use fixed seeds; a p-value below this means the
 # distribution is wrong (false-alarm rate 1e-4 per test if it were random).
 P_MIN = 1e-4

@@ -14,6 +14,9 @@ import pytest
 
 import funcreplay as fr
 
+# Every test here runs against both implementations (see conftest.py).
+pytestmark = pytest.mark.usefixtures("both_implementations")
+
 CAP = 4099  # odd size: no other array in these programs has this leading dim
 ITEM = {"obs": jnp.zeros((8,), jnp.float32), "a": jnp.zeros((), jnp.int32)}
 

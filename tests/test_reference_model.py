@@ -13,6 +13,9 @@ import funcreplay as fr
 from tests.helpers import ITEM, assert_trees_consistent, counters_dict, items_from_ids, jitted
 from tests.reference import RefTable
 
+# Every test here runs against both implementations (see conftest.py).
+pytestmark = pytest.mark.usefixtures("both_implementations")
+
 CAP = 7
 B_INSERT = 3
 B_SAMPLE = 3

@@ -15,6 +15,9 @@ import funcreplay as fr
 from funcreplay import indexes
 from tests.helpers import ITEM, counters_dict, items_from_ids, jitted
 
+# Every test here runs against both implementations (see conftest.py).
+pytestmark = pytest.mark.usefixtures("both_implementations")
+
 P_MIN = 1e-4  # chi-square p-value floor (fixed seeds)
 
 

@@ -17,6 +17,9 @@ import funcreplay as fr
 from funcreplay import checkpoint, indexes, ops, staleness
 from tests.helpers import ITEM, assert_trees_consistent, items_from_ids, jitted
 
+# Every test here runs against both implementations (see conftest.py).
+pytestmark = pytest.mark.usefixtures("both_implementations")
+
 CAP = 24
 
 

@@ -1,0 +1,67 @@
+"""Native CPU kernels (XLA FFI custom calls) for the hot paths of the table.
+
+On XLA:CPU every operation of a compiled program costs about a microsecond
+however small, and the portable ``sample`` is ~100-160 operations (draws,
+eligibility, dedup, counters, trees, in-place ordering). A kernel does the
+same work in one call. It is used only where it applies and only on CPU:
+
+* ``insert`` with a ``Fifo`` remover (the ring; any sampler);
+* ``sample`` with a ``Uniform`` or ``Prioritized`` sampler and a ``Fifo`` or
+  ``Uniform`` remover, with or without replacement, staleness / ``where``
+  masks and ``max_times_sampled`` (not ``stratified``);
+* ``update_priorities`` with a ``Fifo`` or ``Uniform`` remover.
+
+Everything else, and every non-CPU backend (``lax.platform_dependent``),
+runs the portable JAX implementation. Semantics are identical: the same
+eligible items with the same probabilities, the same state updates; only
+the random stream differs (the kernel runs threefry-2x32 in counter mode over
+the key's data, so randomness still comes only from the explicit key).
+Tests run the core suites against both implementations.
+
+``make_table(spec, native=False)``, ``set_default(False)`` (tables built
+afterwards) or ``FUNCREPLAY_NATIVE=0`` (the whole process) opt out.
+"""
+
+from __future__ import annotations
+
+from funcreplay import selectors as sel
+from funcreplay.native.build import error, load
+from funcreplay.spec import TableSpec
+
+__all__ = ["available", "default", "error", "set_default", "supports_insert",
+           "supports_sample", "supports_update_priorities"]
+
+_default = [True]
+
+
+def default() -> bool:
+  """Whether ``make_table`` uses the native kernels when not told (initially True)."""
+  return _default[0]
+
+
+def set_default(enabled: bool) -> None:
+  """Set the default of ``make_table(spec, native=None)`` for tables built from now on."""
+  _default[0] = bool(enabled)
+
+
+def available() -> bool:
+  """True when the kernels are built and registered (builds them on first call)."""
+  return load()
+
+
+def supports_insert(spec: TableSpec) -> bool:
+  """True if ``insert`` on ``spec`` has a native kernel (any sampler, ``Fifo`` remover)."""
+  return isinstance(spec.remover, sel.Fifo)
+
+
+def supports_update_priorities(spec: TableSpec) -> bool:
+  """True if ``update_priorities`` on ``spec`` has a native kernel (no order tree)."""
+  return not spec.needs_remover_tree
+
+
+def supports_sample(spec: TableSpec, stratified: bool) -> bool:
+  """True if ``sample`` on ``spec`` has a native kernel: a ``Uniform`` or
+  ``Prioritized`` sampler, a remover without an order tree (``Fifo``,
+  ``Uniform``), not ``stratified``."""
+  return (isinstance(spec.sampler, (sel.Uniform, sel.Prioritized))
+          and not spec.needs_remover_tree and not stratified)

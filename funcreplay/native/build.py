@@ -1,0 +1,106 @@
+"""Compile ``kernels.cc`` once per (source, jaxlib) and register its FFI targets.
+
+The shared library is built on first use with the system C++ compiler
+(``$CXX``, else ``c++``/``g++``) against the XLA FFI headers that ship with
+jaxlib (``jax.ffi.include_dir()``), and cached in
+``$FUNCREPLAY_CACHE_DIR`` (default ``~/.cache/funcreplay``) under a name that
+hashes the source, the jaxlib version and the compiler command, so a changed
+kernel or jaxlib rebuilds. Building takes ~3 s; concurrent processes (pytest
+workers) each build into a private temporary file and rename it into place.
+
+Any failure (no compiler, headers missing, load error) is reported once as a
+warning and the portable JAX implementation is used instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from typing import Optional
+
+import jax
+import jaxlib
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cc")
+_TARGETS = {"funcreplay_sample": "FuncreplaySample",
+            "funcreplay_fifo_insert": "FuncreplayFifoInsert",
+            "funcreplay_update_priorities": "FuncreplayUpdatePriorities"}
+
+_lock = threading.Lock()
+_state: dict = {"loaded": None, "error": None, "lib": None}
+
+
+def compiler() -> Optional[str]:
+  """Path of the C++ compiler the kernels are built with, or None."""
+  for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    if name and shutil.which(name):
+      return shutil.which(name)
+  return None
+
+
+def _cache_dir() -> str:
+  return os.environ.get("FUNCREPLAY_CACHE_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "funcreplay")
+
+
+def _build(cxx: str) -> str:
+  include = jax.ffi.include_dir()
+  flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w",
+           f"-I{include}"]
+  with open(_SOURCE, "rb") as f:
+    src = f.read()
+  digest = hashlib.sha256(src + jaxlib.__version__.encode() + " ".join([cxx] + flags).encode())
+  out_dir = _cache_dir()
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"kernels-{digest.hexdigest()[:16]}.so")
+  if os.path.exists(path):
+    return path
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+  os.close(fd)
+  try:
+    proc = subprocess.run([cxx, *flags, _SOURCE, "-o", tmp], capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0:
+      raise RuntimeError(f"{cxx} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    os.replace(tmp, path)  # atomic: a concurrent builder's identical file is fine
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+  return path
+
+
+def load() -> bool:
+  """Build (if needed), load and register the kernels; True on success. Cached."""
+  if _state["loaded"] is not None:
+    return _state["loaded"]
+  with _lock:
+    if _state["loaded"] is not None:
+      return _state["loaded"]
+    try:
+      if os.environ.get("FUNCREPLAY_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        raise RuntimeError("disabled by FUNCREPLAY_NATIVE")
+      cxx = compiler()
+      if cxx is None:
+        raise RuntimeError("no C++ compiler found (set $CXX)")
+      lib = ctypes.cdll.LoadLibrary(_build(cxx))
+      for target, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
+      _state.update(loaded=True, lib=lib)
+    except Exception as e:  # noqa: BLE001 -- any failure means: use the JAX path
+      _state.update(loaded=False, error=f"{type(e).__name__}: {e}")
+      if "FUNCREPLAY_NATIVE" not in _state["error"]:
+        warnings.warn(f"funcreplay: native CPU kernels unavailable ({_state['error']}); "
+                      "using the portable JAX implementation.", RuntimeWarning, stacklevel=3)
+    return _state["loaded"]
+
+
+def error() -> Optional[str]:
+  """Why the kernels are unavailable (None if they loaded or were not tried)."""
+  return _state["error"]

@@ -1,0 +1,693 @@
+// CPU kernels for funcreplay's hot paths, called from jitted code through the
+// XLA FFI (jax.ffi.ffi_call). Each kernel does in one call what the portable
+// JAX implementation spreads over ~100-160 XLA operations; on XLA:CPU every
+// operation has a fixed cost of about a microsecond, which dominated small
+// batches. Semantics are those of funcreplay/sampling.py (see the docstring of
+// funcreplay/native/__init__.py); tests compare the two implementations.
+//
+// Buffers are updated in place: every state leaf a kernel reads or writes is
+// passed as an operand aliased to a result, so XLA orders later writers of
+// those leaves after the kernel without copies (when the state is donated).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// --- randomness: threefry-2x32 (20 rounds) in counter mode over the key ---
+
+inline uint32_t Rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+
+class Threefry {
+ public:
+  Threefry(uint32_t k0, uint32_t k1) : k0_(k0), k1_(k1) {}
+
+  uint64_t Next64() {
+    uint32_t x0 = static_cast<uint32_t>(counter_ >> 32);
+    uint32_t x1 = static_cast<uint32_t>(counter_);
+    ++counter_;
+    const uint32_t ks[3] = {k0_, k1_, k0_ ^ k1_ ^ 0x1BD11BDAu};
+    static const int kRot[8] = {13, 15, 26, 6, 17, 29, 16, 24};
+    x0 += ks[0];
+    x1 += ks[1];
+    for (int i = 0; i < 5; ++i) {
+      const int* r = kRot + 4 * (i % 2);
+      for (int j = 0; j < 4; ++j) {
+        x0 += x1;
+        x1 = Rotl(x1, r[j]);
+        x1 ^= x0;
+      }
+      x0 += ks[(i + 1) % 3];
+      x1 += ks[(i + 2) % 3] + static_cast<uint32_t>(i + 1);
+    }
+    return (static_cast<uint64_t>(x0) << 32) | x1;
+  }
+
+  // Uniform integer in [0, n), n >= 1 (bias below n / 2**64).
+  int64_t Below(int64_t n) {
+    unsigned __int128 m = static_cast<unsigned __int128>(Next64()) * static_cast<uint64_t>(n);
+    return static_cast<int64_t>(m >> 64);
+  }
+
+ private:
+  uint32_t k0_, k1_;
+  uint64_t counter_ = 0;
+};
+
+// --- two-word counters: uint32[2] = [hi, lo] ---
+
+inline void CounterAdd(uint32_t* c, uint64_t n) {
+  uint64_t v = (static_cast<uint64_t>(c[0]) << 32) | c[1];
+  v += n;
+  c[0] = static_cast<uint32_t>(v >> 32);
+  c[1] = static_cast<uint32_t>(v);
+}
+
+
+// --- the staleness version index (funcreplay/staleness.py), bit for bit ---
+// hist int32[V] counts the items of the V newest versions (bucket version & (V-1));
+// bounds int32[3] = [newest version, items older than the window, their lowest
+// version (a lower bound)]. int32 arithmetic wraps, as in the JAX code.
+
+constexpr int32_t kNone = 2147483647;
+
+inline int32_t Wrap(uint32_t x) { return static_cast<int32_t>(x); }
+inline int32_t Sub(int32_t a, int64_t b) {
+  return Wrap(static_cast<uint32_t>(a) - static_cast<uint32_t>(b));
+}
+
+struct VersionIndex {
+  int32_t* hist = nullptr;    // int32[V], or null without max_staleness
+  int32_t* bounds = nullptr;  // int32[3]
+  int64_t v = 0;
+
+  // Move the window up to the newest of versions[mask] (staleness.advance).
+  void Advance(const int32_t* versions, const bool* mask, int64_t n) {
+    if (v == 0) return;
+    const int32_t hi = bounds[0];
+    int32_t new_hi = hi, n_old = bounds[1], old_min = bounds[2];
+    for (int64_t i = 0; i < n; ++i) {
+      if (mask[i]) new_hi = std::max(new_hi, versions[i]);
+    }
+    const int32_t limit = Sub(new_hi, v);
+    for (int64_t b = 0; b < v; ++b) {
+      const int32_t vb = Sub(hi, static_cast<uint32_t>(Sub(hi, b)) & static_cast<uint32_t>(v - 1));
+      if (vb <= limit && hist[b] > 0) {
+        n_old = Wrap(static_cast<uint32_t>(n_old) + static_cast<uint32_t>(hist[b]));
+        old_min = std::min(old_min, vb);
+        hist[b] = 0;
+      }
+    }
+    bounds[0] = new_hi;
+    bounds[1] = n_old;
+    bounds[2] = old_min;
+  }
+
+  // Count versions[mask] in (delta = 1) or out (-1) (staleness._shift).
+  void Shift(const int32_t* versions, const bool* mask, int64_t n, int32_t delta) {
+    if (v == 0) return;
+    const int32_t limit = Sub(bounds[0], v);
+    int32_t n_old_items = 0, min_old = kNone;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!mask[i]) continue;
+      if (versions[i] > limit) {
+        hist[static_cast<uint32_t>(versions[i]) & static_cast<uint32_t>(v - 1)] += delta;
+      } else {
+        ++n_old_items;
+        min_old = std::min(min_old, versions[i]);
+      }
+    }
+    const int32_t n_old = Wrap(static_cast<uint32_t>(bounds[1]) +
+                               static_cast<uint32_t>(delta * n_old_items));
+    bounds[1] = n_old;
+    if (delta > 0) {
+      bounds[2] = std::min(bounds[2], min_old);
+    } else if (n_old <= 0) {  // a lower bound: reset only when no old item is left
+      bounds[2] = kNone;
+    }
+  }
+};
+
+template <typename Rets>
+VersionIndex OpenIndex(Rets& rets, size_t hist_at, size_t bounds_at) {
+  VersionIndex index;
+  auto h = rets.template get<ffi::AnyBuffer>(hist_at).value();
+  index.v = static_cast<int64_t>(h->element_count());
+  if (index.v > 0) {
+    index.hist = static_cast<int32_t*>(h->untyped_data());
+    index.bounds = static_cast<int32_t*>(
+        rets.template get<ffi::AnyBuffer>(bounds_at).value()->untyped_data());
+  }
+  return index;
+}
+
+// --- a small open-addressing set of slots (without-replacement dedup) ---
+
+class SlotSet {
+ public:
+  explicit SlotSet(int64_t expected) {
+    size_t cap = 16;
+    while (cap < static_cast<size_t>(expected) * 2) cap <<= 1;
+    table_.assign(cap, -1);
+    mask_ = cap - 1;
+  }
+  // Inserts s; false if it was present.
+  bool Insert(int32_t s) {
+    size_t h = (static_cast<uint32_t>(s) * 2654435761u) & mask_;
+    while (table_[h] != -1) {
+      if (table_[h] == s) return false;
+      h = (h + 1) & mask_;
+    }
+    table_[h] = s;
+    return true;
+  }
+  bool Contains(int32_t s) const {
+    size_t h = (static_cast<uint32_t>(s) * 2654435761u) & mask_;
+    while (table_[h] != -1) {
+      if (table_[h] == s) return true;
+      h = (h + 1) & mask_;
+    }
+    return false;
+  }
+
+ private:
+  std::vector<int32_t> table_;
+  size_t mask_;
+};
+
+template <typename T>
+T* Ptr(ffi::RemainingArgs& args, size_t i) {
+  return static_cast<T*>(args.get<ffi::AnyBuffer>(i).value().untyped_data());
+}
+template <typename T>
+T* Ptr(ffi::RemainingRets& rets, size_t i) {
+  return static_cast<T*>(rets.get<ffi::AnyBuffer>(i).value()->untyped_data());
+}
+
+// Recompute the ancestors of ``leaf`` in a float sum tree: each node is
+// fl(left + right) of its children, exactly as the portable refresh does.
+inline void RecomputeSum(float* tree, int64_t leaf) {
+  for (int64_t node = leaf >> 1; node >= 1; node >>= 1) {
+    tree[node] = tree[2 * node] + tree[2 * node + 1];
+  }
+}
+
+// Operand layout of Sample (R = results aliased to state operands):
+enum Arg : size_t {
+  kKey = 0,       // uint32[k] PRNG key data
+  kParams,        // int32[3] [version, staleness threshold, num_eligible]
+  kTotal,         // float32[] eligible weight (prioritized; else unused)
+  kWhere,         // bool[C] or bool[0]
+  kOccupied,      // bool[C]          (aliased, R0)
+  kKeys,          // uint32[C]        (R1)
+  kVersion,       // int32[C]         (R2)
+  kTimes,         // int32[C]         (R3)
+  kPriority,      // float32[C]       (R4)
+  kOccTree,       // int32[2P]        (R5)
+  kWeightTree,    // float32[2P] (prioritized) or float32[0]  (R6)
+  kWritePos,      // int32[]          (R7)
+  kInserts,       // uint32[2]        (R8)
+  kSamples,       // uint32[2]        (R9)
+  kStaleSum,      // uint32[2]        (R10)
+  kEvictedReuse,  // uint32[2]        (R11)
+  kRemovedReuse,  // uint32[2]        (R12)
+  kHist,          // int32[V]         (R13) staleness version index
+  kBounds,        // int32[3]         (R14)
+  kData,          // data leaves [C, ...] (R15 ...)
+};
+constexpr size_t kFirstState = kOccupied;
+
+// Draws slot candidates proportionally to their sampling weight: uniform over
+// the occupied slots (a ring position while the Fifo ring has no holes, else
+// the k-th occupied slot from the count tree), or proportional to
+// priority**alpha from the weight tree. -1: the draw found no weight.
+class Drawer {
+ public:
+  Drawer(Threefry* rng, const int32_t* tree, const float* wtree, int64_t p, int64_t c,
+         int64_t size, int64_t ring_start, int64_t ring_filled, bool ring)
+      : rng_(rng), tree_(tree), wtree_(wtree), p_(p), c_(c), size_(size),
+        start_(ring_start), filled_(ring_filled), ring_(ring) {}
+
+  int64_t Draw() {
+    if (wtree_ != nullptr) return DrawWeighted();
+    if (size_ <= 0) return -1;
+    if (ring_) return (start_ + rng_->Below(filled_)) % c_;
+    int64_t k = rng_->Below(size_);
+    int64_t node = 1;
+    while (node < p_) {
+      const int64_t left = tree_[2 * node];
+      if (k < left) {
+        node = 2 * node;
+      } else {
+        k -= left;
+        node = 2 * node + 1;
+      }
+    }
+    return node - p_;
+  }
+
+ private:
+  int64_t DrawWeighted() {
+    const float total = wtree_[1];
+    if (!(total > 0.0f)) return -1;
+    // u in [0, 1) with 24 random bits, as a float32 uniform.
+    const float u = static_cast<float>(rng_->Next64() >> 40) * (1.0f / 16777216.0f);
+    float target = u * total;
+    int64_t node = 1;
+    while (node < p_) {
+      const int64_t left = 2 * node;
+      const float lsum = wtree_[left], rsum = wtree_[left + 1];
+      // A child whose subtree sums to zero is never entered (float rounding
+      // can push the target past the last positive leaf).
+      const bool right = (target >= lsum && rsum > 0.0f) || lsum <= 0.0f;
+      if (right) target -= lsum;
+      node = left + (right ? 1 : 0);
+    }
+    return wtree_[node] > 0.0f ? node - p_ : -1;
+  }
+
+  Threefry* rng_;
+  const int32_t* tree_;
+  const float* wtree_;
+  int64_t p_, c_, size_, start_, filled_;
+  bool ring_;
+};
+
+// Weighted sampling without replacement of up to ``k`` of ``items`` (weights
+// ``w`` > 0): Efraimidis-Spirakis keys u**(1/w), the k largest, in decreasing
+// key order. This is successive sampling, the distribution of repeated draws
+// with repeats discarded. (Uniform weights: a uniform random ordering.)
+std::vector<int32_t> WeightedWithoutReplacement(Threefry& rng, const std::vector<int32_t>& items,
+                                                const std::vector<float>& w, int64_t k) {
+  std::vector<std::pair<double, int32_t>> keyed(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    // log(u) / w: the log of the key, monotone in it; u in (0, 1].
+    const double u = (static_cast<double>(rng.Next64() >> 11) + 1.0) * (1.0 / 9007199254740992.0);
+    keyed[i] = {std::log(u) / static_cast<double>(w[i]), items[i]};
+  }
+  k = std::min<int64_t>(k, static_cast<int64_t>(keyed.size()));
+  std::partial_sort(keyed.begin(), keyed.begin() + k, keyed.end(),
+                    [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<int32_t> out(k);
+  for (int64_t i = 0; i < k; ++i) out[i] = keyed[i].second;
+  return out;
+}
+
+ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t batch_size,
+                      int64_t capacity, bool replace, int64_t max_times_sampled,
+                      bool has_version, bool has_where, bool ring) {
+  const int64_t b = batch_size;
+  const int64_t c = capacity;
+  const size_t n_data = args.size() - kData;
+  const size_t n_state = kData - kFirstState + n_data;
+
+  auto key_buf = args.get<ffi::AnyBuffer>(kKey).value();
+  const uint32_t* kw = static_cast<const uint32_t*>(key_buf.untyped_data());
+  const size_t nk = key_buf.element_count();
+  uint32_t k0 = nk > 0 ? kw[0] : 0, k1 = nk > 1 ? kw[1] : 0;
+  for (size_t i = 2; i < nk; ++i) (i % 2 ? k1 : k0) ^= Rotl(kw[i], 7 * static_cast<int>(i));
+  Threefry rng(k0, k1);
+
+  const int32_t* params = Ptr<int32_t>(args, kParams);
+  const int32_t ver = params[0], thresh = params[1];
+  const int64_t num_eligible = params[2];
+  const float total = *Ptr<float>(args, kTotal);
+  const bool* where = has_where ? Ptr<bool>(args, kWhere) : nullptr;
+
+  // State results alias their operands: write through the results.
+  bool* occupied = Ptr<bool>(rets, kOccupied - kFirstState);
+  const uint32_t* keys = Ptr<uint32_t>(rets, kKeys - kFirstState);
+  const int32_t* version = Ptr<int32_t>(rets, kVersion - kFirstState);
+  int32_t* times = Ptr<int32_t>(rets, kTimes - kFirstState);
+  const float* priority = Ptr<float>(rets, kPriority - kFirstState);
+  auto tree_buf = rets.get<ffi::AnyBuffer>(kOccTree - kFirstState).value();
+  int32_t* tree = static_cast<int32_t*>(tree_buf->untyped_data());
+  const int64_t p = static_cast<int64_t>(tree_buf->element_count()) / 2;
+  auto wt_buf = rets.get<ffi::AnyBuffer>(kWeightTree - kFirstState).value();
+  float* wtree = wt_buf->element_count() > 0 ? static_cast<float*>(wt_buf->untyped_data())
+                                             : nullptr;
+  const int32_t write_pos = *Ptr<int32_t>(rets, kWritePos - kFirstState);
+  const uint32_t* inserts = Ptr<uint32_t>(rets, kInserts - kFirstState);
+
+  // Outputs after the state.
+  size_t o = n_state;
+  std::vector<char*> rows(n_data);
+  std::vector<size_t> row_bytes(n_data);
+  for (size_t d = 0; d < n_data; ++d) {
+    auto r = rets.get<ffi::AnyBuffer>(o + d).value();
+    rows[d] = static_cast<char*>(r->untyped_data());
+    row_bytes[d] = b > 0 ? r->size_bytes() / b : 0;
+  }
+  o += n_data;
+  std::vector<const char*> src(n_data);
+  for (size_t d = 0; d < n_data; ++d) src[d] = Ptr<const char>(rets, kData - kFirstState + d);
+  bool* out_valid = Ptr<bool>(rets, o++);
+  int32_t* out_slot = Ptr<int32_t>(rets, o++);
+  uint32_t* out_key = Ptr<uint32_t>(rets, o++);
+  float* out_prob = Ptr<float>(rets, o++);
+  float* out_prio = Ptr<float>(rets, o++);
+  int32_t* out_times = Ptr<int32_t>(rets, o++);
+  int32_t* out_version = Ptr<int32_t>(rets, o++);
+  int32_t* out_n = Ptr<int32_t>(rets, o++);
+  // num_eligible goes back out through the kernel: the caller computed it
+  // from reads of the count tree, and returning those reads directly would
+  // leave them unordered with this in-place update (XLA would copy the tree).
+  *Ptr<int32_t>(rets, o++) = params[2];
+
+  auto eligible = [&](int64_t s) {
+    return occupied[s] && version[s] >= thresh && (where == nullptr || where[s]);
+  };
+  auto weight = [&](int64_t s) { return wtree != nullptr ? wtree[p + s] : 1.0f; };
+
+  const int64_t size = tree[1];
+  const int64_t filled = inserts[0] > 0 ? c : std::min<int64_t>(inserts[1], c);
+  const int64_t start = ((write_pos - filled) % c + c) % c;
+  Drawer drawer(&rng, tree, wtree, p, c, size, start, filled, ring && size == filled);
+
+  std::vector<int32_t> picked;
+  picked.reserve(b);
+  if (num_eligible > 0 && size > 0) {
+    const int64_t want = replace ? b : std::min<int64_t>(b, num_eligible);
+    // Rejection (i.i.d. draws by weight, keeping eligible slots not taken yet)
+    // is exactly successive sampling; it is fast while eligible items hold a
+    // fair share of the weight and the batch is not most of them. Otherwise
+    // (or when a draw budget runs out) the rest comes from the enumerated
+    // remaining eligible slots, with the same distribution.
+    const float all_weight = wtree != nullptr ? wtree[1] : static_cast<float>(size);
+    const float eligible_weight = wtree != nullptr ? total : static_cast<float>(num_eligible);
+    const bool heavy = eligible_weight * 8.0f < all_weight ||
+                       (!replace && want * 2 > num_eligible);
+    int64_t budget = heavy ? 0 : 32 * b + 256;
+    SlotSet seen(replace ? 1 : want);
+    // Draw the first candidates up front and prefetch their rows: the
+    // columns are far larger than the caches, so each candidate costs a few
+    // cache misses, which then overlap instead of running one after another.
+    std::vector<int32_t> first;
+    if (budget > 0) {
+      first.resize(static_cast<size_t>(want + want / 8 + 8));
+      for (auto& s : first) {
+        s = static_cast<int32_t>(drawer.Draw());
+        if (s < 0) continue;
+        __builtin_prefetch(occupied + s);
+        __builtin_prefetch(version + s);
+        __builtin_prefetch(times + s);
+        if (where != nullptr) __builtin_prefetch(where + s);
+        for (size_t d = 0; d < n_data; ++d) __builtin_prefetch(src[d] + s * row_bytes[d]);
+      }
+    }
+    size_t next = 0;
+    while (static_cast<int64_t>(picked.size()) < want && budget-- > 0) {
+      const int64_t s = next < first.size() ? first[next++] : drawer.Draw();
+      if (s < 0) break;  // no weight left
+      if (!eligible(s)) continue;
+      if (!replace && !seen.Insert(static_cast<int32_t>(s))) continue;
+      picked.push_back(static_cast<int32_t>(s));
+    }
+    if (static_cast<int64_t>(picked.size()) < want) {
+      std::vector<int32_t> rest;
+      std::vector<float> rest_w;
+      for (int64_t s = 0; s < c; ++s) {
+        if (!eligible(s) || !(weight(s) > 0.0f)) continue;
+        if (!replace && seen.Contains(static_cast<int32_t>(s))) continue;
+        rest.push_back(static_cast<int32_t>(s));
+        rest_w.push_back(weight(s));
+      }
+      const int64_t need = want - static_cast<int64_t>(picked.size());
+      if (!rest.empty() && replace) {
+        // i.i.d. draws by weight: inverse CDF over the enumerated weights.
+        std::vector<double> cum(rest.size());
+        double acc = 0.0;
+        for (size_t i = 0; i < rest.size(); ++i) cum[i] = acc += rest_w[i];
+        for (int64_t i = 0; i < need; ++i) {
+          const double u = static_cast<double>(rng.Next64() >> 11) * (acc / 9007199254740992.0);
+          size_t j = std::upper_bound(cum.begin(), cum.end(), u) - cum.begin();
+          picked.push_back(rest[std::min(j, rest.size() - 1)]);
+        }
+      } else if (!rest.empty()) {
+        for (int32_t s : WeightedWithoutReplacement(rng, rest, rest_w, need)) picked.push_back(s);
+      }
+    }
+  }
+  const int64_t n = static_cast<int64_t>(picked.size());
+
+  for (int64_t i = 0; i < n; ++i) ++times[picked[i]];
+
+  const float uniform_prob = 1.0f / static_cast<float>(std::max<int64_t>(num_eligible, 1));
+  uint64_t stale_sum = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    if (i < n) {
+      const int32_t s = picked[i];
+      out_valid[i] = true;
+      out_slot[i] = s;
+      out_key[i] = keys[s];
+      out_prob[i] = wtree != nullptr ? wtree[p + s] / std::max(total, 1e-30f) : uniform_prob;
+      out_prio[i] = priority[s];
+      out_times[i] = times[s];
+      out_version[i] = version[s];
+      for (size_t d = 0; d < n_data; ++d) {
+        std::memcpy(rows[d] + i * row_bytes[d], src[d] + s * row_bytes[d], row_bytes[d]);
+      }
+      if (has_version) {
+        // int32 arithmetic with wrap-around, as the portable path computes it.
+        stale_sum += static_cast<uint64_t>(std::max<int32_t>(Sub(ver, version[s]), 0));
+      }
+    } else {
+      out_valid[i] = false;
+      out_slot[i] = -1;
+      out_key[i] = 0;
+      out_prob[i] = 0.0f;
+      out_prio[i] = 0.0f;
+      out_times[i] = 0;
+      out_version[i] = 0;
+      for (size_t d = 0; d < n_data; ++d) std::memset(rows[d] + i * row_bytes[d], 0, row_bytes[d]);
+    }
+  }
+  *out_n = static_cast<int32_t>(n);
+  CounterAdd(Ptr<uint32_t>(rets, kSamples - kFirstState), static_cast<uint64_t>(n));
+  if (has_version) CounterAdd(Ptr<uint32_t>(rets, kStaleSum - kFirstState), stale_sum);
+
+  if (max_times_sampled > 0) {
+    // Free items that reached max_times_sampled, once per slot (with
+    // replacement a slot may repeat: its last row reports it).
+    uint64_t n_freed = 0, reuse_sum = 0;
+    std::vector<char> exhausted(b, 0);
+    SlotSet done(replace ? n : 1);
+    for (int64_t i = n - 1; i >= 0; --i) {
+      const int32_t s = picked[i];
+      if (times[s] < max_times_sampled) continue;
+      if (replace && !done.Insert(s)) continue;
+      exhausted[i] = 1;
+      occupied[s] = false;
+      for (int64_t node = p + s; node >= 1; node >>= 1) --tree[node];
+      if (wtree != nullptr) {
+        wtree[p + s] = 0.0f;
+        RecomputeSum(wtree, p + s);
+      }
+      ++n_freed;
+      reuse_sum += static_cast<uint64_t>(static_cast<uint32_t>(times[s]));
+    }
+    CounterAdd(Ptr<uint32_t>(rets, kEvictedReuse - kFirstState), n_freed);
+    CounterAdd(Ptr<uint32_t>(rets, kRemovedReuse - kFirstState), reuse_sum);
+    VersionIndex index = OpenIndex(rets, kHist - kFirstState, kBounds - kFirstState);
+    index.Shift(out_version, reinterpret_cast<const bool*>(exhausted.data()), b, -1);
+  }
+  return ffi::Error::Success();
+}
+
+// Operand layout of FifoInsert. Rows (B = batch), then the state, aliased:
+//   mask bool[B], version int32[B], priority float32[B], weight float32[B]
+//   (priority**alpha for a prioritized sampler, else float32[0]),
+//   n_meta metadata rows int32[B], n_data item leaves [B, ...];
+//   state: occupied, key, version, times_sampled, priority, occ_tree,
+//   weight_tree (float32[0] unless prioritized), write_pos, next_key,
+//   counters inserts, evicted_capacity, removed_reuse_sum, version_hist,
+//   version_bounds, n_meta metadata columns, n_data data leaves.
+enum InsertState : size_t {
+  kIOccupied = 0, kIKeys, kIVersion, kITimes, kIPriority, kIOccTree, kIWeightTree,
+  kIWritePos, kINextKey, kIInserts, kIEvictedCapacity, kIRemovedReuse, kIHist, kIBounds,
+  kIFixed,
+};
+
+
+ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t capacity,
+                          int64_t n_meta, int64_t n_data) {
+  const int64_t c = capacity;
+  const bool* mask = Ptr<bool>(args, 0);
+  auto ver_buf = args.get<ffi::AnyBuffer>(1).value();
+  const int64_t b = static_cast<int64_t>(ver_buf.element_count());
+  const int32_t* in_version = static_cast<const int32_t*>(ver_buf.untyped_data());
+  const float* in_priority = Ptr<float>(args, 2);
+  auto w_buf = args.get<ffi::AnyBuffer>(3).value();
+  const float* in_weight =
+      w_buf.element_count() > 0 ? static_cast<const float*>(w_buf.untyped_data()) : nullptr;
+  std::vector<const int32_t*> in_meta(n_meta);
+  for (int64_t m = 0; m < n_meta; ++m) in_meta[m] = Ptr<int32_t>(args, 4 + m);
+  std::vector<const char*> in_data(n_data);
+  for (int64_t d = 0; d < n_data; ++d) in_data[d] = Ptr<const char>(args, 4 + n_meta + d);
+
+  bool* occupied = Ptr<bool>(rets, kIOccupied);
+  uint32_t* keys = Ptr<uint32_t>(rets, kIKeys);
+  int32_t* version = Ptr<int32_t>(rets, kIVersion);
+  int32_t* times = Ptr<int32_t>(rets, kITimes);
+  float* priority = Ptr<float>(rets, kIPriority);
+  auto tree_buf = rets.get<ffi::AnyBuffer>(kIOccTree).value();
+  int32_t* tree = static_cast<int32_t*>(tree_buf->untyped_data());
+  const int64_t p = static_cast<int64_t>(tree_buf->element_count()) / 2;
+  auto wt_buf = rets.get<ffi::AnyBuffer>(kIWeightTree).value();
+  float* wtree = wt_buf->element_count() > 0 ? static_cast<float*>(wt_buf->untyped_data())
+                                             : nullptr;
+  int32_t* write_pos = Ptr<int32_t>(rets, kIWritePos);
+  uint32_t* next_key = Ptr<uint32_t>(rets, kINextKey);
+  std::vector<int32_t*> meta(n_meta);
+  for (int64_t m = 0; m < n_meta; ++m) meta[m] = Ptr<int32_t>(rets, kIFixed + m);
+  std::vector<char*> data(n_data);
+  std::vector<size_t> row_bytes(n_data);
+  for (int64_t d = 0; d < n_data; ++d) {
+    auto r = rets.get<ffi::AnyBuffer>(kIFixed + n_meta + d).value();
+    data[d] = static_cast<char*>(r->untyped_data());
+    row_bytes[d] = r->size_bytes() / c;
+  }
+  VersionIndex index = OpenIndex(rets, kIHist, kIBounds);
+  index.Advance(in_version, mask, b);
+  std::vector<char> victim(b, 0);
+  std::vector<int32_t> victim_version(b, 0);
+  std::vector<int32_t> slot_of(b, -1);
+
+  // Rows go in one at a time, in order, at the ring position: the oldest
+  // written slot, overwritten whether it holds an item or a hole.
+  int64_t pos = *write_pos;
+  uint32_t key = *next_key;
+  uint64_t n_real = 0, n_victims = 0, reuse_sum = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    if (!mask[i]) continue;
+    const int64_t s = pos;
+    slot_of[i] = static_cast<int32_t>(s);
+    pos = pos + 1 == c ? 0 : pos + 1;
+    if (occupied[s]) {
+      victim[i] = 1;
+      victim_version[i] = version[s];
+      ++n_victims;
+      reuse_sum += static_cast<uint64_t>(static_cast<uint32_t>(times[s]));
+    } else {
+      occupied[s] = true;
+      for (int64_t node = p + s; node >= 1; node >>= 1) ++tree[node];
+    }
+    keys[s] = key++;
+    version[s] = in_version[i];
+    times[s] = 0;
+    priority[s] = in_priority[i];
+    for (int64_t m = 0; m < n_meta; ++m) meta[m][s] = in_meta[m][i];
+    if (wtree != nullptr) {
+      wtree[p + s] = in_weight[i];
+      RecomputeSum(wtree, p + s);
+    }
+    ++n_real;
+  }
+  // Item rows, one memcpy per leaf for each run of consecutive slots.
+  for (int64_t i = 0; i < b;) {
+    if (slot_of[i] < 0) {
+      ++i;
+      continue;
+    }
+    int64_t j = i + 1;
+    while (j < b && slot_of[j] == slot_of[j - 1] + 1) ++j;
+    const int64_t s = slot_of[i];
+    for (int64_t d = 0; d < n_data; ++d) {
+      std::memcpy(data[d] + s * row_bytes[d], in_data[d] + i * row_bytes[d],
+                  (j - i) * row_bytes[d]);
+    }
+    i = j;
+  }
+  // As the portable path: remove the overwritten items, then add the new ones.
+  index.Shift(victim_version.data(), reinterpret_cast<const bool*>(victim.data()), b, -1);
+  index.Shift(in_version, mask, b, 1);
+  *write_pos = static_cast<int32_t>(pos);
+  *next_key = key;
+  CounterAdd(Ptr<uint32_t>(rets, kIInserts), n_real);
+  CounterAdd(Ptr<uint32_t>(rets, kIEvictedCapacity), n_victims);
+  CounterAdd(Ptr<uint32_t>(rets, kIRemovedReuse), reuse_sum);
+  return ffi::Error::Success();
+}
+
+// UpdatePriorities: operands slots int32[K], keys uint32[K], priorities
+// float32[K] (as given), weights float32[K] (priority**alpha of the sanitized
+// priorities, prioritized sampler) or float32[0]; then the state, aliased:
+// occupied, key, priority, weight_tree, max_priority, invalid_priorities.
+// Applied only where the slot still holds the key; the last row for a slot
+// wins; negative / NaN / inf priorities are stored as 0 and counted (among
+// the winning rows), as ops.update_priorities.
+ffi::Error UpdatePrioritiesImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                int64_t capacity) {
+  auto slots_buf = args.get<ffi::AnyBuffer>(0).value();
+  const int64_t k = static_cast<int64_t>(slots_buf.element_count());
+  const int32_t* slots = static_cast<const int32_t*>(slots_buf.untyped_data());
+  const uint32_t* want_keys = Ptr<uint32_t>(args, 1);
+  const float* prios = Ptr<float>(args, 2);
+  auto w_buf = args.get<ffi::AnyBuffer>(3).value();
+  const float* weights =
+      w_buf.element_count() > 0 ? static_cast<const float*>(w_buf.untyped_data()) : nullptr;
+  const bool* occupied = Ptr<bool>(rets, 0);
+  const uint32_t* keys = Ptr<uint32_t>(rets, 1);
+  float* priority = Ptr<float>(rets, 2);
+  auto wt_buf = rets.get<ffi::AnyBuffer>(3).value();
+  float* wtree = wt_buf->element_count() > 0 ? static_cast<float*>(wt_buf->untyped_data())
+                                             : nullptr;
+  const int64_t p = static_cast<int64_t>(wt_buf->element_count()) / 2;
+  float* max_priority = Ptr<float>(rets, 4);
+
+  SlotSet done(k);
+  float largest = 0.0f;
+  uint64_t n_bad = 0;
+  for (int64_t i = k - 1; i >= 0; --i) {  // backwards: the first hit is the last write
+    const int32_t s = slots[i];
+    if (s < 0 || s >= capacity || !occupied[s] || keys[s] != want_keys[i]) continue;
+    if (!done.Insert(s)) continue;
+    const bool bad = !std::isfinite(prios[i]) || prios[i] < 0.0f;
+    const float clean = bad ? 0.0f : prios[i];
+    n_bad += bad ? 1 : 0;
+    priority[s] = clean;
+    largest = std::max(largest, clean);
+    if (wtree != nullptr) {
+      wtree[p + s] = weights[i];
+      RecomputeSum(wtree, p + s);
+    }
+  }
+  *max_priority = std::max(*max_priority, largest);
+  CounterAdd(Ptr<uint32_t>(rets, 5), n_bad);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplaySample, SampleImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("batch_size")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<bool>("replace")
+                                  .Attr<int64_t>("max_times_sampled")
+                                  .Attr<bool>("has_version")
+                                  .Attr<bool>("has_where")
+                                  .Attr<bool>("ring"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayFifoInsert, FifoInsertImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int64_t>("n_meta")
+                                  .Attr<int64_t>("n_data"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayUpdatePriorities, UpdatePrioritiesImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("capacity"));

@@ -1,0 +1,39 @@
+"""``update_priorities`` in one CPU kernel (``UpdatePrioritiesImpl``).
+
+For tables without an order tree (``Fifo`` / ``Uniform`` remover). The key
+guard, last-write-wins, sanitizing and the weight-tree refresh happen in the
+kernel; ``priority**alpha`` of the sanitized priorities is computed here with
+the portable expression, so the tree matches the portable path bit for bit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from funcreplay import indexes
+from funcreplay.spec import TableSpec
+from funcreplay.state import TableState
+
+
+def update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities):
+  """``slots`` int32[K], ``keys`` uint32[K], ``priorities`` float32[K] (as given)."""
+  k = slots.shape[0]
+  if spec.prioritized:
+    bad = ~jnp.isfinite(priorities) | (priorities < 0)
+    clean = jnp.where(bad, 0.0, priorities).astype(jnp.float32)
+    weights = indexes.sample_weight(spec, jnp.ones((k,), bool), clean)
+  else:
+    weights = jnp.zeros((0,), jnp.float32)
+  state_ops = [state.occupied, state.key, state.priority, state.weight_tree,
+               state.max_priority, state.counters["invalid_priorities"]]
+  rows = [slots, keys, priorities, weights]
+  call = jax.ffi.ffi_call(
+      "funcreplay_update_priorities", [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops],
+      vmap_method="sequential",
+      input_output_aliases={len(rows) + i: i for i in range(len(state_ops))})
+  occupied, key, priority, weight_tree, max_priority, invalid = call(
+      *rows, *state_ops, capacity=spec.capacity)
+  return state.replace(occupied=occupied, key=key, priority=priority, weight_tree=weight_tree,
+                       max_priority=max_priority,
+                       counters={**state.counters, "invalid_priorities": invalid})

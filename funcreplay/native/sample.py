@@ -1,0 +1,94 @@
+"""``sample`` for a ``Uniform`` or ``Prioritized`` sampler in one CPU kernel.
+
+Same contract as ``funcreplay.sampling.sample``; the kernel is in
+``kernels.cc`` (``SampleImpl``). The eligible count (O(1) / O(V) from
+the staleness version index, O(C) with a ``where`` mask) and, for the
+prioritized sampler, the eligible weight are computed in JAX first, with the
+same expressions as the portable path; the kernel uses them to choose between
+rejection and enumeration and to report probabilities.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from funcreplay import indexes, ops, staleness
+from funcreplay import rate_limiters as rl
+from funcreplay import selectors as sel
+from funcreplay.spec import TableSpec
+from funcreplay.state import Sample, SampleInfo, TableState
+
+_COUNTERS = ("inserts", "samples", "sampled_staleness_sum", "evicted_reuse", "removed_reuse_sum")
+
+
+def _key_words(rng) -> jnp.ndarray:
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.key_data(rng)
+  return jnp.asarray(rng).astype(jnp.uint32).reshape(-1)
+
+
+def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
+           replace: bool):
+  """``(state, Sample)``; arguments already validated by ``sampling.sample``."""
+  b, c = batch_size, spec.capacity
+  has_version = ver is not None
+  stale = has_version and spec.max_staleness is not None
+  thresh = staleness.threshold(spec, ver) if stale else jnp.int32(jnp.iinfo(jnp.int32).min)
+  if where is not None:
+    ops.eligible_mask(spec, state, None, where)  # validates shape and dtype
+    where = jnp.asarray(where)
+  masked = ops.masks_active(spec, ver, where)
+  if spec.prioritized:  # as the portable path: O(C) sums under masks, the root otherwise
+    if masked:
+      mask = ops.eligible_mask(spec, state, ver, where)
+      total = jnp.sum(jnp.where(mask, indexes.sample_weight(spec, state.occupied,
+                                                            state.priority), 0.0))
+      num_eligible = jnp.sum(mask, dtype=jnp.int32)
+    else:
+      total, num_eligible = state.weight_tree[1], state.size
+  else:
+    total, num_eligible = jnp.float32(0), ops.count(spec, state, where, ver)
+  params = jnp.stack([jnp.asarray(ver if has_version else 0, jnp.int32), thresh,
+                      num_eligible])
+  data_leaves, data_def = jax.tree_util.tree_flatten(state.data)
+  state_ops = [state.occupied, state.key, state.version, state.times_sampled, state.priority,
+               state.occ_tree, state.weight_tree, state.write_pos,
+               *[state.counters[k] for k in _COUNTERS],
+               state.version_hist, state.version_bounds, *data_leaves]
+  operands = [_key_words(rng), params, jnp.asarray(total, jnp.float32),
+              where if where is not None else jnp.zeros((0,), bool), *state_ops]
+  out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops]
+  out_types += [jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype) for x in data_leaves]
+  out_types += [jax.ShapeDtypeStruct((b,), d) for d in
+                (jnp.bool_, jnp.int32, jnp.uint32, jnp.float32, jnp.float32, jnp.int32,
+                 jnp.int32)]
+  out_types += [jax.ShapeDtypeStruct((), jnp.int32)] * 2  # valid rows, num_eligible echoed
+  call = jax.ffi.ffi_call("funcreplay_sample", out_types, vmap_method="sequential",
+                          input_output_aliases={4 + i: i for i in range(len(state_ops))})
+  res = call(*operands, batch_size=b, capacity=c, replace=bool(replace),
+             max_times_sampled=int(spec.max_times_sampled), has_version=has_version,
+             has_where=where is not None,
+             ring=isinstance(spec.sampler, sel.Uniform) and isinstance(spec.remover, sel.Fifo))
+
+  n_state = len(state_ops)
+  (occupied, key, version, times, priority, occ_tree, weight_tree, write_pos), res_counters = (
+      res[:8], res[8:8 + len(_COUNTERS)])
+  hist, bounds = res[8 + len(_COUNTERS):10 + len(_COUNTERS)]
+  new_data = res[10 + len(_COUNTERS):n_state]
+  rows = res[n_state:n_state + len(data_leaves)]
+  valid, slot, key_o, prob, prio, times_o, version_o, n_valid, num_eligible = (
+      res[n_state + len(data_leaves):])
+
+  counters = dict(state.counters)
+  counters.update(zip(_COUNTERS, res_counters))
+  state = state.replace(
+      data=jax.tree_util.tree_unflatten(data_def, new_data), occupied=occupied, key=key,
+      version=version, times_sampled=times, priority=priority, occ_tree=occ_tree,
+      weight_tree=weight_tree,
+      write_pos=write_pos, counters=counters, version_hist=hist, version_bounds=bounds,
+      limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, sampled=n_valid))
+  info = SampleInfo(slot=slot, key=key_o, probability=prob, priority=prio,
+                    times_sampled=times_o, version=version_o)
+  return state, Sample(data=jax.tree_util.tree_unflatten(data_def, rows), valid=valid,
+                       info=info, num_eligible=num_eligible)

@@ -1,0 +1,385 @@
+"""The native CPU sample kernel (``funcreplay.native``) against the portable path.
+
+The random streams differ, so the kernel is checked in two ways:
+* exactly: given the slots the kernel picked, the portable bookkeeping
+  (``sampling._finish``: reuse counts, frees, counters, version index, the
+  gathered rows and info) applied to the same state must give bit-identical
+  state and outputs;
+* statistically: inclusion counts are uniform over exactly the eligible slots
+  in every regime the kernel distinguishes (ring draws, tree descents after
+  holes, heavy masks that switch to enumeration, batches that take most of
+  the eligible items, with replacement).
+
+The core suites (test_core, test_reference_model, test_staleness,
+test_inplace, test_table) also run against both implementations.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats as sstats
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import funcreplay as fr
+from funcreplay import indexes, native, ops, sampling
+from tests.helpers import ITEM, assert_trees_consistent, items_from_ids
+
+P_MIN = 1e-3  # chi-square: fixed seeds, a correct sampler fails this 0.1% of the time
+
+
+@pytest.fixture(autouse=True)
+def _need_kernels():
+  if not native.available():
+    from funcreplay.native import build
+    if build.compiler() is None:
+      pytest.skip("no C++ compiler: the native kernels cannot be built here")
+    pytest.fail(f"native kernels failed to build: {native.error()}")
+
+
+def _table(spec, use_native=True):
+  return fr.make_table(spec, native=use_native)
+
+
+def _state(spec, n, version=0, holes=()):
+  t = _table(spec, use_native=False)
+  rng = jax.random.PRNGKey(0) if isinstance(spec.remover, fr.Uniform) else None
+  st = jax.jit(t.insert)(t.init(), items_from_ids(np.arange(n)), version=version, rng=rng)
+  if len(holes):
+    slots = np.asarray(holes, np.int32)
+    st = jax.jit(t.delete)(st, slots, st.key[slots])
+  return st
+
+
+def test_kernel_runs_only_where_it_applies():
+  spec = fr.TableSpec(32, ITEM)
+  st = _state(spec, 8)
+
+  def hlo(s, use_native=True, **kw):
+    t = _table(s, use_native)
+    f = jax.jit(lambda st, k: t.sample(st, k, batch_size=4, **kw))
+    return f.lower(st, jax.random.PRNGKey(0)).compile().as_text()
+
+  assert "funcreplay_sample" in hlo(spec)
+  assert "funcreplay_sample" in hlo(spec, replace=True)
+  assert "funcreplay_sample" not in hlo(spec, use_native=False)
+  assert "funcreplay_sample" not in hlo(spec, replace=True, stratified=True)
+
+  def hlo_of(s):
+    f = jax.jit(lambda st, k: _table(s).sample(st, k, batch_size=4))
+    return f.lower(_state(s, 8), jax.random.PRNGKey(0)).compile().as_text()
+
+  assert "funcreplay_sample" in hlo_of(spec.replace(sampler=fr.Prioritized(1.0)))
+  assert "funcreplay_sample" in hlo_of(spec.replace(remover=fr.Uniform()))
+  # Samplers by order, and removers that keep an order tree: portable only.
+  assert "funcreplay_sample" not in hlo_of(spec.replace(sampler=fr.Fifo()))
+  assert "funcreplay_sample" not in hlo_of(spec.replace(sampler=fr.Prioritized(1.0),
+                                                        remover=fr.MinHeap()))
+
+
+GRID = [
+    # (capacity, filled, batch, replace, max_times_sampled, masks, holes[, alpha])
+    (16, 16, 4, False, 0, "none", False),
+    (16, 16, 4, True, 0, "none", False),
+    (16, 12, 16, False, 0, "none", False),      # fewer items than the batch
+    (16, 16, 6, False, 2, "version", False),    # reuse frees + staleness index
+    (16, 16, 6, True, 1, "both", False),        # frees with repeats in a batch
+    (32, 40, 8, False, 3, "where", True),       # wrapped ring with holes: descents
+    (32, 32, 8, True, 0, "both", True),
+    (64, 64, 30, False, 0, "heavy", False),     # heavy masks: enumeration
+]
+GRID += [g + (0.7,) for g in GRID[:2] + GRID[3:]]  # prioritized (alpha 0.7), same grid
+GRID = [g if len(g) == 8 else g + (None,) for g in GRID]
+
+
+@pytest.mark.parametrize("cap,filled,b,replace,mts,masks,holes,alpha", GRID)
+def test_state_and_outputs_match_portable_bookkeeping(cap, filled, b, replace, mts, masks,
+                                                      holes, alpha):
+  sampler = fr.Uniform() if alpha is None else fr.Prioritized(alpha)
+  spec = fr.TableSpec(cap, ITEM, sampler=sampler, max_times_sampled=mts, max_staleness=2)
+  t = _table(spec, use_native=False)
+  st = t.init()
+  ins = jax.jit(t.insert)
+  for start in range(0, filled, 8):  # versions 0, 1, 2, ... per chunk of 8
+    n = min(8, filled - start)
+    prio = jnp.asarray((np.arange(start, start + n) % 7) * 0.5, jnp.float32)  # some zero
+    st = ins(st, items_from_ids(np.arange(start, start + n)), version=start // 8,
+             priority=prio)
+  if holes:
+    slots = np.array([1, 5, 6], np.int32)
+    st = jax.jit(t.delete)(st, slots, st.key[slots])
+  version = None if masks in ("none", "where") else filled // 8
+  where = None
+  if masks in ("where", "both"):
+    where = jnp.arange(cap) % 3 != 0
+  if masks == "heavy":
+    where = jnp.arange(cap) % 9 == 0  # 8 of 64 slots: rejection would be slow
+  for seed in range(3):
+    nat = jax.jit(lambda s, k: _table(spec).sample(s, k, batch_size=b, version=version,
+                                                   where=where, replace=replace))
+    new, out = nat(st, jax.random.PRNGKey(seed))
+    picked = out.info.slot
+
+    def expected(s, picked):
+      # The probabilities and counts as the portable ``sample`` computes them.
+      ver = None if version is None else jnp.int32(version)
+      safe = jnp.maximum(picked, 0)
+      if spec.prioritized:
+        mask = ops.eligible_mask(spec, s, ver, where)
+        if ops.masks_active(spec, ver, where):
+          total = jnp.sum(jnp.where(mask, indexes.sample_weight(spec, s.occupied, s.priority),
+                                    0.0))
+          n_elig = jnp.sum(mask, dtype=jnp.int32)
+        else:
+          total, n_elig = s.weight_tree[1], s.size
+        w = indexes.sample_weight(spec, s.occupied[safe], s.priority[safe])
+        prob = w / jnp.maximum(total, 1e-30)
+      else:
+        n_elig = ops.count(spec, s, where, ver)
+        prob = jnp.full(picked.shape, 1.0, jnp.float32) / jnp.maximum(n_elig, 1).astype(
+            jnp.float32)
+      return sampling._finish(spec, s, picked, prob, n_elig, ver, replace)  # noqa: SLF001
+
+    ref_state, ref_out = jax.jit(expected)(st, picked)
+    for path, a, e in zip(jax.tree_util.tree_leaves_with_path(new),
+                          jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(ref_state)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(e),
+                                    err_msg=f"state{jax.tree_util.keystr(path[0])}")
+    for path, a, e in zip(jax.tree_util.tree_leaves_with_path(out),
+                          jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref_out)):
+      name = f"sample{jax.tree_util.keystr(path[0])}"
+      if spec.prioritized and name.endswith(".probability"):
+        # The kernel divides the weight-tree leaf (p**alpha computed when the
+        # priority was set); the portable path recomputes p**alpha, and XLA's
+        # vectorized and scalar pow can differ in the last bit.
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=3e-7, err_msg=name)
+      else:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=name)
+    # Picked rows are eligible, and distinct without replacement.
+    ok = np.array(fr.make_table(spec).eligible(st, version=version, where=where))
+    sl = np.asarray(picked)[np.asarray(out.valid)]
+    assert ok[sl].all()
+    if spec.prioritized:  # zero-priority items are never sampled
+      ok &= np.asarray(st.priority) > 0
+      assert (np.asarray(st.priority)[sl] > 0).all()
+    n_elig = int(ok.sum())
+    if not replace:
+      assert len(set(sl.tolist())) == len(sl) == min(b, n_elig)
+    else:
+      assert len(sl) == (b if n_elig else 0)
+    assert_trees_consistent(spec, new)
+    st = new
+
+
+def _inclusion(spec, state, n_draws, b, seed, **kw):
+  t = _table(spec)
+
+  @jax.jit
+  def run(state, key):
+    def body(s, k):
+      s2, out = t.sample(s, k, batch_size=b, **kw)
+      return s, (out.info.slot, out.valid)  # the same state every draw (no reuse limits)
+    return lax.scan(body, state, jax.random.split(key, n_draws))[1]
+
+  slots, valid = run(state, jax.random.PRNGKey(seed))
+  return np.asarray(slots), np.asarray(valid)
+
+
+@pytest.mark.parametrize("regime", ["ring", "holes", "heavy", "most", "replace", "replace_heavy"])
+def test_inclusion_is_uniform_over_eligible(regime):
+  cap = 48
+  spec = fr.TableSpec(cap, ITEM, max_staleness=0)
+  holes = (3, 4, 20) if regime == "holes" else ()
+  st = _state(spec, cap, version=5, holes=holes)
+  eligible = np.ones(cap, bool)
+  eligible[list(holes)] = False
+  where, b, replace = None, 6, False
+  if regime in ("heavy", "replace_heavy"):
+    where = np.arange(cap) % 8 == 1  # 6 of 48: heavy for the kernel
+  elif regime == "most":
+    where, b = np.arange(cap) % 2 == 0, 16  # a batch takes 2/3 of the 24 eligible
+  if regime.startswith("replace"):
+    replace = True
+  if where is not None:
+    eligible &= where
+    where = jnp.asarray(where)
+  slots, valid = _inclusion(spec, st, 3000, b, seed=11, version=5, where=where,
+                            replace=replace)
+  assert valid.all()
+  if not replace:
+    assert all(len(set(r.tolist())) == b for r in slots), "repeated slot within a batch"
+  counts = np.bincount(slots.ravel(), minlength=cap)
+  assert counts[~eligible].sum() == 0
+  p = sstats.chisquare(counts[eligible]).pvalue
+  assert p > P_MIN, f"{regime}: inclusion chi-square p={p}"
+  # Without replacement the batch is in random order, not sorted by slot.
+  if not replace:
+    assert np.mean(np.all(np.diff(slots, axis=1) > 0, axis=1)) < 0.5
+
+
+def test_same_key_same_batch_and_key_types():
+  spec = fr.TableSpec(64, ITEM)
+  st = _state(spec, 64)
+  f = jax.jit(lambda s, k: _table(spec).sample(s, k, batch_size=8)[1].info.slot)
+  a, b = f(st, jax.random.PRNGKey(1)), f(st, jax.random.PRNGKey(1))
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, f(st, jax.random.PRNGKey(2)))
+  for key in (jax.random.key(3), jax.random.key(3, impl="rbg")):
+    slots = np.asarray(f(st, key))
+    assert len(set(slots.tolist())) == 8 and slots.min() >= 0
+
+
+def test_vmap_over_tables_matches_one_at_a_time():
+  spec = fr.TableSpec(32, ITEM, max_times_sampled=2)
+  t = _table(spec)
+  states = [_state(spec, 20 + 3 * i) for i in range(4)]
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  stacked = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *states)
+  f = functools.partial(t.sample, batch_size=5, replace=False)
+  vs, vo = jax.jit(jax.vmap(f))(stacked, keys)
+  for i in range(4):
+    s, o = jax.jit(f)(states[i], keys[i])
+    for a, e in zip(jax.tree_util.tree_leaves((vs, vo)), jax.tree_util.tree_leaves((s, o))):
+      np.testing.assert_array_equal(np.asarray(a)[i], np.asarray(e))
+
+
+def test_donated_sample_updates_in_place():
+  spec = fr.TableSpec(4096, ITEM, max_times_sampled=3, max_staleness=4)
+  st = _state(spec, 4096)
+  f = jax.jit(lambda s, k: _table(spec).sample(s, k, batch_size=64, version=1),
+              donate_argnums=0)
+  leaves = jax.tree_util.tree_leaves(st)
+  before = [x.unsafe_buffer_pointer() for x in leaves if x.shape and x.shape[0] >= 4096]
+  for i in range(3):
+    st, out = f(st, jax.random.PRNGKey(i))
+  after = [x.unsafe_buffer_pointer() for x in jax.tree_util.tree_leaves(st)
+           if x.shape and x.shape[0] >= 4096]
+  assert before == after
+  assert int(out.valid.sum()) == 64
+
+
+INSERT_SPECS = [  # every sampler, with and without staleness / metadata
+    fr.TableSpec(16, ITEM),
+    fr.TableSpec(16, ITEM, max_staleness=2, metadata=("task", "status")),
+    fr.TableSpec(16, ITEM, sampler=fr.Prioritized(0.6), max_staleness=1 << 30,
+                 max_times_sampled=2),
+    fr.TableSpec(13, ITEM, sampler=fr.MinHeap(), max_staleness=0),
+    fr.TableSpec(8, ITEM, sampler=fr.Lifo(), rate_limiter=fr.Queue(8)),
+]
+
+
+@settings(max_examples=15)
+@given(spec_i=st.integers(0, len(INSERT_SPECS) - 1),
+       ops_=st.lists(st.tuples(st.sampled_from(["insert", "insert", "delete", "evict",
+                                                "update"]),
+                               st.integers(1, 11), st.integers(0, 2**31 - 1)),
+                     min_size=1, max_size=10))
+def test_insert_and_update_are_bit_identical_to_portable(spec_i, ops_):
+  """Insert and update_priorities are deterministic: the kernels and the portable
+  path must produce the same state, leaf for leaf, over sequences that wrap the
+  ring, overwrite items and holes, use masks, any int32 versions, invalid
+  priorities, metadata, stale keys, out-of-range and duplicate slots."""
+  spec = INSERT_SPECS[spec_i]
+  nat, por = _jitted_pair(spec)
+  s_nat = s_por = nat["init"]()
+  for op, n, seed in ops_:
+    rng = np.random.default_rng(seed)
+    if op == "insert":
+      b = min(n, spec.capacity)
+      kw = dict(mask=jnp.asarray(rng.random(b) < 0.8),
+                version=jnp.asarray(rng.integers(-2**31, 2**31, b) if seed % 5 == 0
+                                    else rng.integers(0, 6, b), jnp.int32),
+                priority=jnp.asarray(np.where(rng.random(b) < 0.1, -1.0, rng.random(b) * 3),
+                                     jnp.float32))
+      if spec.metadata:
+        kw["metadata"] = {k: jnp.asarray(rng.integers(0, 3, b), jnp.int32)
+                          for k in spec.metadata}
+      items = items_from_ids(rng.integers(0, 1000, b))
+      s_nat, s_por = nat["insert"](s_nat, items, **kw), por["insert"](s_por, items, **kw)
+    elif op == "update":
+      slots = rng.integers(-2, spec.capacity + 2, n).astype(np.int32)
+      keys = np.asarray(s_nat.key)[np.clip(slots, 0, spec.capacity - 1)]
+      keys = np.where(rng.random(n) < 0.2, keys + 1, keys).astype(np.uint32)  # stale keys
+      prios = rng.random(n).astype(np.float32) * 4
+      prios[rng.random(n) < 0.15] = rng.choice([np.nan, np.inf, -1.0])
+      s_nat = nat["update"](s_nat, slots, keys, prios)
+      s_por = por["update"](s_por, slots, keys, prios)
+    elif op == "delete":
+      slots = jnp.asarray(rng.integers(0, spec.capacity, 3), jnp.int32)
+      s_nat = nat["delete"](s_nat, slots, s_nat.key[slots])
+      s_por = por["delete"](s_por, slots, s_por.key[slots])
+    elif spec.max_staleness is not None:
+      v = jnp.int32(rng.integers(0, 6))
+      s_nat, s_por = nat["evict"](s_nat, v), por["evict"](s_por, v)
+    for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(s_nat),
+                            jax.tree_util.tree_leaves(s_por)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(e),
+                                    err_msg=f"{op}: state{jax.tree_util.keystr(path)}")
+  assert_trees_consistent(spec, s_nat)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_pair(spec):
+  out = []
+  for use_native in (True, False):
+    t = _table(spec, use_native)
+    out.append(dict(init=t.init, insert=jax.jit(t.insert), delete=jax.jit(t.delete),
+                    evict=jax.jit(t.evict_stale), update=jax.jit(t.update_priorities)))
+  return out
+
+
+def test_insert_kernel_in_hlo_and_in_place():
+  spec = fr.TableSpec(4096, ITEM, max_staleness=3, metadata=("task",))
+  t = _table(spec)
+  f = jax.jit(lambda s, x: t.insert(s, x, version=2), donate_argnums=0)
+  st = t.init()
+  x = items_from_ids(np.arange(100))
+  assert "funcreplay_fifo_insert" in f.lower(st, x).compile().as_text()
+  before = [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(st) if a.size >= 4096]
+  for _ in range(50):  # wraps the ring
+    st = f(st, x)
+  after = [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(st) if a.size >= 4096]
+  assert before == after
+  assert int(st.size) == 4096
+
+
+@pytest.mark.parametrize("path", ["rejection", "enumeration"])
+def test_prioritized_without_replacement_is_successive_sampling(path):
+  """Ordered pairs from 4 eligible items of weights 1, 2, 3, 6 follow the exact
+  successive-sampling law, whether the kernel draws by rejection or (masks
+  hiding most of the weight) from the enumerated eligible items."""
+  import itertools
+  prios = np.array([1.0, 2.0, 3.0, 6.0, 100.0, 100.0, 100.0, 100.0], np.float32)
+  spec = fr.TableSpec(8, ITEM, sampler=fr.Prioritized(1.0))
+  t = _table(spec)
+  st = jax.jit(t.insert)(t.init(), items_from_ids(np.arange(8)), version=0,
+                         priority=jnp.asarray(prios))
+  where = jnp.arange(8) < (4 if path == "enumeration" else 8)
+  n_items = 4 if path == "enumeration" else 8
+  b = 2
+
+  @jax.jit
+  def run(state, key):
+    def body(s, k):
+      return s, t.sample(s, k, batch_size=b, where=where)[1].info.slot
+    return lax.scan(body, state, jax.random.split(key, 8000))[1]
+
+  slots = np.asarray(run(st, jax.random.PRNGKey(5)))
+  w = prios[:n_items].astype(np.float64) / prios[:n_items].sum()
+  pairs = list(itertools.permutations(range(n_items), 2))
+  expected = np.array([w[i] * w[j] / (1 - w[i]) for i, j in pairs])
+  index = {pair: k for k, pair in enumerate(pairs)}
+  counts = np.zeros(len(pairs))
+  for a, c in slots:
+    counts[index[(int(a), int(c))]] += 1
+  keep = expected * counts.sum() >= 5  # chi-square needs expected counts >= 5
+  assert counts[~keep].sum() <= 0.01 * counts.sum()
+  obs, exp = counts[keep], expected[keep] * counts.sum()
+  p = sstats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+  assert p > P_MIN, f"{path}: successive sampling p={p}"
