@@ -191,11 +191,18 @@ T* Ptr(ffi::RemainingRets& rets, size_t i) {
   return static_cast<T*>(rets.get<ffi::AnyBuffer>(i).value()->untyped_data());
 }
 
-// Recompute the ancestors of ``leaf`` in a float sum tree: each node is
-// fl(left + right) of its children, exactly as the portable refresh does.
-inline void RecomputeSum(float* tree, int64_t leaf) {
-  for (int64_t node = leaf >> 1; node >= 1; node >>= 1) {
-    tree[node] = tree[2 * node] + tree[2 * node + 1];
+// Recompute the ancestors of changed leaves (tree nodes P + slot, all on the
+// leaf level) in a float sum tree: each node becomes fl(left + right) of its
+// children, exactly as the portable refresh does. Level by level, so every
+// node is recomputed after its children's final values, and the loads of one
+// level are prefetched together so their cache misses overlap.
+inline void RecomputeSumMany(float* tree, std::vector<int64_t> nodes) {
+  while (!nodes.empty() && nodes[0] > 1) {
+    for (auto& n : nodes) {
+      n >>= 1;
+      __builtin_prefetch(tree + 2 * n);
+    }
+    for (int64_t n : nodes) tree[n] = tree[2 * n] + tree[2 * n + 1];
   }
 }
 
@@ -235,6 +242,61 @@ class Drawer {
       : rng_(rng), tree_(tree), wtree_(wtree), p_(p), c_(c), size_(size),
         start_(ring_start), filled_(ring_filled), ring_(ring) {}
 
+  bool HasWeight() const { return wtree_ != nullptr ? wtree_[1] > 0.0f : size_ > 0; }
+
+  // n draws at once: the tree descents advance level by level over all of
+  // them, prefetching the next level's nodes, so their cache misses overlap
+  // (one descent is a chain of ~log2(C) dependent loads from a tree larger
+  // than the caches).
+  void DrawMany(int64_t n, int32_t* out) {
+    if (wtree_ == nullptr && (ring_ || size_ <= 0)) {
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(Draw());
+      return;
+    }
+    std::vector<int64_t> node(n, 1);
+    std::vector<float> target(wtree_ != nullptr ? n : 0);
+    std::vector<int64_t> k(wtree_ != nullptr ? 0 : n);
+    const float total = wtree_ != nullptr ? wtree_[1] : 0.0f;
+    if (wtree_ != nullptr && !(total > 0.0f)) {
+      for (int64_t i = 0; i < n; ++i) out[i] = -1;
+      return;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (wtree_ != nullptr) {
+        target[i] = Uniform24() * total;
+      } else {
+        k[i] = rng_->Below(size_);
+      }
+    }
+    for (int64_t level = 1; level < p_; level <<= 1) {
+      for (int64_t i = 0; i < n; ++i) {
+        if (wtree_ != nullptr) {
+          __builtin_prefetch(wtree_ + 2 * node[i]);
+        } else {
+          __builtin_prefetch(tree_ + 2 * node[i]);
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t left = 2 * node[i];
+        if (wtree_ != nullptr) {
+          const float lsum = wtree_[left], rsum = wtree_[left + 1];
+          const bool right = (target[i] >= lsum && rsum > 0.0f) || lsum <= 0.0f;
+          if (right) target[i] -= lsum;
+          node[i] = left + (right ? 1 : 0);
+        } else {
+          const int64_t lcount = tree_[left];
+          const bool right = k[i] >= lcount;
+          if (right) k[i] -= lcount;
+          node[i] = left + (right ? 1 : 0);
+        }
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const bool ok = wtree_ == nullptr || wtree_[node[i]] > 0.0f;
+      out[i] = ok ? static_cast<int32_t>(node[i] - p_) : -1;
+    }
+  }
+
   int64_t Draw() {
     if (wtree_ != nullptr) return DrawWeighted();
     if (size_ <= 0) return -1;
@@ -257,9 +319,7 @@ class Drawer {
   int64_t DrawWeighted() {
     const float total = wtree_[1];
     if (!(total > 0.0f)) return -1;
-    // u in [0, 1) with 24 random bits, as a float32 uniform.
-    const float u = static_cast<float>(rng_->Next64() >> 40) * (1.0f / 16777216.0f);
-    float target = u * total;
+    float target = Uniform24() * total;
     int64_t node = 1;
     while (node < p_) {
       const int64_t left = 2 * node;
@@ -272,6 +332,9 @@ class Drawer {
     }
     return wtree_[node] > 0.0f ? node - p_ : -1;
   }
+
+  // u in [0, 1) with 24 random bits, as a float32 uniform.
+  float Uniform24() { return static_cast<float>(rng_->Next64() >> 40) * (1.0f / 16777216.0f); }
 
   Threefry* rng_;
   const int32_t* tree_;
@@ -392,8 +455,8 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
     std::vector<int32_t> first;
     if (budget > 0) {
       first.resize(static_cast<size_t>(want + want / 8 + 8));
-      for (auto& s : first) {
-        s = static_cast<int32_t>(drawer.Draw());
+      drawer.DrawMany(static_cast<int64_t>(first.size()), first.data());
+      for (int32_t s : first) {
         if (s < 0) continue;
         __builtin_prefetch(occupied + s);
         __builtin_prefetch(version + s);
@@ -405,7 +468,10 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
     size_t next = 0;
     while (static_cast<int64_t>(picked.size()) < want && budget-- > 0) {
       const int64_t s = next < first.size() ? first[next++] : drawer.Draw();
-      if (s < 0) break;  // no weight left
+      if (s < 0) {
+        if (drawer.HasWeight()) continue;  // a float rounding miss: draw again
+        break;                             // no weight left
+      }
       if (!eligible(s)) continue;
       if (!replace && !seen.Insert(static_cast<int32_t>(s))) continue;
       picked.push_back(static_cast<int32_t>(s));
@@ -478,6 +544,7 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
     // replacement a slot may repeat: its last row reports it).
     uint64_t n_freed = 0, reuse_sum = 0;
     std::vector<char> exhausted(b, 0);
+    std::vector<int64_t> freed;  // weight-tree leaves set to 0
     SlotSet done(replace ? n : 1);
     for (int64_t i = n - 1; i >= 0; --i) {
       const int32_t s = picked[i];
@@ -488,11 +555,12 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
       for (int64_t node = p + s; node >= 1; node >>= 1) --tree[node];
       if (wtree != nullptr) {
         wtree[p + s] = 0.0f;
-        RecomputeSum(wtree, p + s);
+        freed.push_back(p + s);
       }
       ++n_freed;
       reuse_sum += static_cast<uint64_t>(static_cast<uint32_t>(times[s]));
     }
+    if (wtree != nullptr) RecomputeSumMany(wtree, std::move(freed));
     CounterAdd(Ptr<uint32_t>(rets, kEvictedReuse - kFirstState), n_freed);
     CounterAdd(Ptr<uint32_t>(rets, kRemovedReuse - kFirstState), reuse_sum);
     VersionIndex index = OpenIndex(rets, kHist - kFirstState, kBounds - kFirstState);
@@ -559,6 +627,7 @@ ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int6
   std::vector<char> victim(b, 0);
   std::vector<int32_t> victim_version(b, 0);
   std::vector<int32_t> slot_of(b, -1);
+  std::vector<int64_t> changed;  // weight-tree leaves written
 
   // Rows go in one at a time, in order, at the ring position: the oldest
   // written slot, overwritten whether it holds an item or a hole.
@@ -586,10 +655,11 @@ ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int6
     for (int64_t m = 0; m < n_meta; ++m) meta[m][s] = in_meta[m][i];
     if (wtree != nullptr) {
       wtree[p + s] = in_weight[i];
-      RecomputeSum(wtree, p + s);
+      changed.push_back(p + s);
     }
     ++n_real;
   }
+  if (wtree != nullptr) RecomputeSumMany(wtree, std::move(changed));
   // Item rows, one memcpy per leaf for each run of consecutive slots.
   for (int64_t i = 0; i < b;) {
     if (slot_of[i] < 0) {
@@ -643,6 +713,7 @@ ffi::Error UpdatePrioritiesImpl(ffi::RemainingArgs args, ffi::RemainingRets rets
   float* max_priority = Ptr<float>(rets, 4);
 
   SlotSet done(k);
+  std::vector<int64_t> changed;
   float largest = 0.0f;
   uint64_t n_bad = 0;
   for (int64_t i = k - 1; i >= 0; --i) {  // backwards: the first hit is the last write
@@ -656,9 +727,10 @@ ffi::Error UpdatePrioritiesImpl(ffi::RemainingArgs args, ffi::RemainingRets rets
     largest = std::max(largest, clean);
     if (wtree != nullptr) {
       wtree[p + s] = weights[i];
-      RecomputeSum(wtree, p + s);
+      changed.push_back(p + s);
     }
   }
+  if (wtree != nullptr) RecomputeSumMany(wtree, std::move(changed));
   *max_priority = std::max(*max_priority, largest);
   CounterAdd(Ptr<uint32_t>(rets, 5), n_bad);
   return ffi::Error::Success();
