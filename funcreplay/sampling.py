@@ -23,6 +23,7 @@ items by their order: O(C log C), meant for queue/stack-sized tables.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -247,8 +248,8 @@ def _draw_stratified(spec, state, rng, batch_size):
 
 
 def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=None,
-           where=None, replace: bool = False, stratified: bool = False,
-           native: bool = False):
+           where=None, replace: bool = False, stratified: bool = False, enabled=None,
+           native: bool = False, split_key: bool = False):
   """Sample ``batch_size`` items.
 
   Args:
@@ -264,8 +265,18 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     stratified: (Uniform / Prioritized, with ``replace=True``, no masks)
       split the total weight into ``B`` equal strata and draw one item from
       each, as in PER's proportional variant; rows come in random order.
+    enabled: optional bool scalar (traced). When False the call samples
+      nothing: the state comes back unchanged and every row is invalid
+      (``num_eligible`` still reports the eligible count). Lets a jitted loop
+      gate sampling on ``can_sample`` without a ``lax.cond`` of its own.
     native: use the native CPU kernel where one applies (``funcreplay.native``;
       ``make_table`` sets this). Other backends run the JAX implementation.
+    split_key: also return the next key of a key sequence: the sample uses a
+      key derived from ``rng``, and ``(state, Sample, next_rng)`` comes back
+      (the host ``Table`` keeps its key this way). The native kernel derives
+      both from ``rng`` itself: on XLA:CPU a ``jax.random.split`` in the same
+      program costs ~70 us (its rolled threefry loop moves the program off
+      the caller's thread).
 
   Returns:
     ``(state, Sample)``. The state has ``times_sampled`` incremented for every
@@ -288,13 +299,36 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     raise ValueError("sample: stratified=True needs replace=True, a Uniform or Prioritized "
                      "sampler, and no where/staleness mask (strata are over the whole table).")
   ver = None if version is None else jnp.asarray(version, jnp.int32)
-  args = (spec, state, rng, b, ver, where, replace)
+  enabled = None if enabled is None else jnp.asarray(enabled, bool)
+
+  def portable(st):
+    key = rng
+    if split_key:
+      next_key, key = jax.random.split(rng)
+
+    def do(st):
+      return _sample_portable(spec, st, key, b, ver, where, replace, stratified=stratified,
+                              masked=masked)
+
+    def skip(st):
+      zeros = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                     jax.eval_shape(do, st)[1])
+      info = dataclasses.replace(zeros.info, slot=jnp.full((b,), -1, jnp.int32))
+      return st, dataclasses.replace(zeros, info=info,
+                                     num_eligible=ops.count(spec, st, where, ver))
+
+    out = do(st) if enabled is None else lax.cond(enabled, do, skip, st)
+    return (*out, next_key) if split_key else out
+
   if native and native_lib.supports_sample(spec, stratified) and native_lib.available():
     from funcreplay.native import sample as native_sample
-    return lax.platform_dependent(
-        cpu=lambda: native_sample.sample(*args),
-        default=lambda: _sample_portable(*args, stratified=stratified, masked=masked))
-  return _sample_portable(*args, stratified=stratified, masked=masked)
+
+    def kernel(st):
+      out = native_sample.sample(spec, st, rng, b, ver, where, replace, enabled)
+      return out if split_key else out[:2]
+
+    return lax.platform_dependent(state, cpu=kernel, default=portable)
+  return portable(state)
 
 
 def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, masked):

@@ -29,7 +29,6 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from funcreplay import inplace, ops, sampling
 from funcreplay import native as native_lib
@@ -106,20 +105,14 @@ class _Ops:
       n_valid = jnp.where(cnt > 0, batch_size, 0) if replace else jnp.minimum(cnt, batch_size)
       limiter_ok = limiter.can_sample(size, state.limiter_diff, n_valid)
       ok = limiter_ok & (cnt >= min_valid)
-      new_rng, sub = jax.random.split(rng)
-
-      def do(s):
-        return sampling.sample(spec, s, sub, batch_size=batch_size, version=version,
-                               where=mask, replace=replace, native=native)
-
-      def skip(s):
-        shapes = jax.eval_shape(do, s)[1]
-        return s, jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-
-      state, out = lax.cond(ok, do, skip, state)
+      state, out, new_rng = sampling.sample(spec, state, rng, batch_size=batch_size,
+                                            version=version, where=mask, replace=replace,
+                                            enabled=ok, native=native, split_key=True)
       # The key advances only on a successful sample: how often a waiter
-      # retried (timing) never changes the random stream.
-      return state, jnp.where(ok, new_rng, rng), out, ok, limiter_ok, cnt
+      # retried (timing) never changes the random stream. One int32[3] for
+      # the host (one transfer): ok, limiter_ok, eligible count.
+      flags = jnp.stack([ok.astype(jnp.int32), limiter_ok.astype(jnp.int32), cnt])
+      return state, jnp.where(ok, new_rng, rng), out, flags
 
     def count(state, version, where, where_cols):
       return ops.count(spec, state, _where_mask(state, where, where_cols), version)
@@ -503,10 +496,10 @@ class Table:
     with self._cond:
       while True:
         self._check_open("sample")
-        self._state, self._rng, out, ok, limiter_ok, cnt = self._ops.sample(
+        self._state, self._rng, out, flags = self._ops.sample(
             self._state, self._rng, ver, mask, cols, np.int32(min_valid),
             batch_size=batch_size, replace=replace)
-        ok, limiter_ok, cnt = jax.device_get((ok, limiter_ok, cnt))
+        ok, limiter_ok, cnt = (int(x) for x in np.asarray(flags))
         if ok:
           self._cond.notify_all()
           return out

@@ -409,3 +409,42 @@ def test_sum_tree_block_refresh_is_bit_identical(capacity, updates, seed):
   np.testing.assert_array_equal(np.asarray(few).view(np.uint32), np.asarray(many).view(np.uint32))
   leaves[slots[keep]] = values[keep]
   np.testing.assert_allclose(np.asarray(few[1]), leaves.astype(np.float64).sum(), rtol=1e-5)
+
+
+def test_sample_enabled_false_changes_nothing():
+  """``enabled=False`` (a traced gate): the state comes back unchanged, every row
+  is invalid with slot -1, and num_eligible still reports the eligible count."""
+  spec = fr.TableSpec(16, ITEM, max_times_sampled=1, max_staleness=2)
+  t = fr.make_table(spec)
+  state = _fill(spec, 10, version=3)
+  f = jax.jit(lambda s, k, on: t.sample(s, k, batch_size=4, version=4, enabled=on))
+  new, out = f(state, jax.random.PRNGKey(0), False)
+  for a, e in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
+  assert not np.asarray(out.valid).any()
+  assert (np.asarray(out.info.slot) == -1).all()
+  assert not np.asarray(out.data["x"]).any()
+  assert int(out.num_eligible) == 10
+  new, out = f(state, jax.random.PRNGKey(0), True)
+  assert np.asarray(out.valid).all() and int(new.size) == 6  # sampled once, freed
+
+
+def test_sample_split_key_gives_a_key_sequence():
+  """``split_key=True`` returns the next key: same key, same (batch, next key);
+  following the sequence gives fresh batches; raw and typed keys keep their type."""
+  spec = fr.TableSpec(64, ITEM)
+  t = fr.make_table(spec)
+  state = _fill(spec, 64)
+  f = jax.jit(lambda s, k: t.sample(s, k, batch_size=8, split_key=True))
+  for key in (jax.random.PRNGKey(3), jax.random.key(3)):
+    _, a, k1 = f(state, key)
+    _, b, k1b = f(state, key)
+    np.testing.assert_array_equal(a.info.slot, b.info.slot)
+    np.testing.assert_array_equal(jax.random.key_data(k1) if k1.dtype != jnp.uint32 else k1,
+                                  jax.random.key_data(k1b) if k1b.dtype != jnp.uint32 else k1b)
+    assert k1.dtype == key.dtype and k1.shape == key.shape
+    seen, k = set(), key
+    for _ in range(6):
+      _, out, k = f(state, k)
+      seen.add(tuple(np.asarray(out.info.slot).tolist()))
+    assert len(seen) == 6

@@ -6,6 +6,7 @@ once for the whole file: compilation, not the tests, dominates the run time.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -17,6 +18,9 @@ import pytest
 import funcreplay as fr
 from funcreplay.table import Table, TableClosedError
 from tests.helpers import ITEM, counters_dict, items_from_ids, jitted
+
+# Every test here runs against both implementations (see conftest.py).
+pytestmark = pytest.mark.usefixtures("both_implementations")
 
 T = 0.05  # timeout of calls that must block
 
@@ -78,8 +82,9 @@ def test_host_table_matches_pure_functions():
 
   t.set_version(1)
   smp = t.sample(4)
-  rng, sub = jax.random.split(rng)
-  state, ref = j["sample"](state, sub, batch_size=4, version=jnp.int32(1))
+  # The Table keeps a key sequence: each sample uses the key and moves to the next.
+  sample_split = jax.jit(functools.partial(j["table"].sample, batch_size=4, split_key=True))
+  state, ref, rng = sample_split(state, rng, version=jnp.int32(1))
   assert_same_tree(smp, ref)
   assert bool(np.all(smp.valid))
 

@@ -50,6 +50,8 @@ class Threefry {
     return (static_cast<uint64_t>(x0) << 32) | x1;
   }
 
+  void Seek(uint64_t counter) { counter_ = counter; }
+
   // Uniform integer in [0, n), n >= 1 (bias below n / 2**64).
   int64_t Below(int64_t n) {
     unsigned __int128 m = static_cast<unsigned __int128>(Next64()) * static_cast<uint64_t>(n);
@@ -209,7 +211,7 @@ inline void RecomputeSumMany(float* tree, std::vector<int64_t> nodes) {
 // Operand layout of Sample (R = results aliased to state operands):
 enum Arg : size_t {
   kKey = 0,       // uint32[k] PRNG key data
-  kParams,        // int32[3] [version, staleness threshold, num_eligible]
+  kParams,        // int32[4] [version, staleness threshold, num_eligible, enabled]
   kTotal,         // float32[] eligible weight (prioritized; else unused)
   kWhere,         // bool[C] or bool[0]
   kOccupied,      // bool[C]          (aliased, R0)
@@ -381,6 +383,7 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
   const int32_t* params = Ptr<int32_t>(args, kParams);
   const int32_t ver = params[0], thresh = params[1];
   const int64_t num_eligible = params[2];
+  const bool enabled = params[3] != 0;  // false: sample nothing, change nothing
   const float total = *Ptr<float>(args, kTotal);
   const bool* where = has_where ? Ptr<bool>(args, kWhere) : nullptr;
 
@@ -423,6 +426,19 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
   // from reads of the count tree, and returning those reads directly would
   // leave them unordered with this in-place update (XLA would copy the tree).
   *Ptr<int32_t>(rets, o++) = params[2];
+  {
+    // The next key of a key sequence (sampling.sample(split_key=True)): the
+    // same PRF at counters the draws below never reach, as a split would.
+    auto next_buf = rets.get<ffi::AnyBuffer>(o++).value();
+    uint32_t* next = static_cast<uint32_t*>(next_buf->untyped_data());
+    Threefry derive(k0, k1);
+    derive.Seek(uint64_t{1} << 63);
+    for (size_t i = 0; i < next_buf->element_count(); i += 2) {
+      const uint64_t v = derive.Next64();
+      next[i] = static_cast<uint32_t>(v >> 32);
+      if (i + 1 < next_buf->element_count()) next[i + 1] = static_cast<uint32_t>(v);
+    }
+  }
 
   auto eligible = [&](int64_t s) {
     return occupied[s] && version[s] >= thresh && (where == nullptr || where[s]);
@@ -436,7 +452,7 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
 
   std::vector<int32_t> picked;
   picked.reserve(b);
-  if (num_eligible > 0 && size > 0) {
+  if (enabled && num_eligible > 0 && size > 0) {
     const int64_t want = replace ? b : std::min<int64_t>(b, num_eligible);
     // Rejection (i.i.d. draws by weight, keeping eligible slots not taken yet)
     // is exactly successive sampling; it is fast while eligible items hold a

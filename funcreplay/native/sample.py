@@ -22,15 +22,25 @@ from funcreplay.state import Sample, SampleInfo, TableState
 _COUNTERS = ("inserts", "samples", "sampled_staleness_sum", "evicted_reuse", "removed_reuse_sum")
 
 
+def _typed(rng) -> bool:
+  return jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key)
+
+
 def _key_words(rng) -> jnp.ndarray:
-  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+  if _typed(rng):
     rng = jax.random.key_data(rng)
   return jnp.asarray(rng).astype(jnp.uint32).reshape(-1)
 
 
 def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
-           replace: bool):
-  """``(state, Sample)``; arguments already validated by ``sampling.sample``."""
+           replace: bool, enabled=None):
+  """``(state, Sample, next_key)``; arguments already validated by ``sampling.sample``.
+
+  ``enabled`` False: no sample (state unchanged, every row invalid).
+  ``next_key``: the successor of ``rng`` in a key sequence (raw ``uint32[2]``
+  key data, or a typed key of ``rng``'s implementation), drawn by the kernel
+  from its threefry stream at a counter the sample draws never reach.
+  """
   b, c = batch_size, spec.capacity
   has_version = ver is not None
   stale = has_version and spec.max_staleness is not None
@@ -50,13 +60,15 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
   else:
     total, num_eligible = jnp.float32(0), ops.count(spec, state, where, ver)
   params = jnp.stack([jnp.asarray(ver if has_version else 0, jnp.int32), thresh,
-                      num_eligible])
+                      num_eligible,
+                      jnp.int32(1) if enabled is None else enabled.astype(jnp.int32)])
   data_leaves, data_def = jax.tree_util.tree_flatten(state.data)
   state_ops = [state.occupied, state.key, state.version, state.times_sampled, state.priority,
                state.occ_tree, state.weight_tree, state.write_pos,
                *[state.counters[k] for k in _COUNTERS],
                state.version_hist, state.version_bounds, *data_leaves]
-  operands = [_key_words(rng), params, jnp.asarray(total, jnp.float32),
+  key_words = _key_words(rng)
+  operands = [key_words, params, jnp.asarray(total, jnp.float32),
               where if where is not None else jnp.zeros((0,), bool), *state_ops]
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops]
   out_types += [jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype) for x in data_leaves]
@@ -64,6 +76,7 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
                 (jnp.bool_, jnp.int32, jnp.uint32, jnp.float32, jnp.float32, jnp.int32,
                  jnp.int32)]
   out_types += [jax.ShapeDtypeStruct((), jnp.int32)] * 2  # valid rows, num_eligible echoed
+  out_types.append(jax.ShapeDtypeStruct(key_words.shape, jnp.uint32))  # next key
   call = jax.ffi.ffi_call("funcreplay_sample", out_types, vmap_method="sequential",
                           input_output_aliases={4 + i: i for i in range(len(state_ops))})
   res = call(*operands, batch_size=b, capacity=c, replace=bool(replace),
@@ -77,7 +90,7 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
   hist, bounds = res[8 + len(_COUNTERS):10 + len(_COUNTERS)]
   new_data = res[10 + len(_COUNTERS):n_state]
   rows = res[n_state:n_state + len(data_leaves)]
-  valid, slot, key_o, prob, prio, times_o, version_o, n_valid, num_eligible = (
+  valid, slot, key_o, prob, prio, times_o, version_o, n_valid, num_eligible, next_words = (
       res[n_state + len(data_leaves):])
 
   counters = dict(state.counters)
@@ -90,5 +103,10 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
       limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, sampled=n_valid))
   info = SampleInfo(slot=slot, key=key_o, probability=prob, priority=prio,
                     times_sampled=times_o, version=version_o)
+  next_key = next_words.reshape(jnp.shape(jax.random.key_data(rng)) if _typed(rng)
+                                else jnp.shape(rng)).astype(
+      jnp.uint32 if _typed(rng) else jnp.asarray(rng).dtype)
+  if _typed(rng):
+    next_key = jax.random.wrap_key_data(next_key, impl=jax.random.key_impl(rng))
   return state, Sample(data=jax.tree_util.tree_unflatten(data_def, rows), valid=valid,
-                       info=info, num_eligible=num_eligible)
+                       info=info, num_eligible=num_eligible), next_key
