@@ -36,7 +36,9 @@ def never(reads) -> jnp.ndarray:
     x = jnp.asarray(x)
     if x.size == 0:
       continue
-    if x.dtype == jnp.bool_:
+    if x.dtype == jnp.bool_ or jax.dtypes.itemsize_bits(x.dtype) < 8:
+      # bool, and sub-byte types (int4, float4...), which cannot be bitcast to
+      # a whole-byte type elementwise: a value conversion reads them as well.
       x = x.astype(jnp.uint8)
     bits = x.dtype.itemsize * 8
     if bits == 64:

@@ -383,3 +383,24 @@ def test_prioritized_without_replacement_is_successive_sampling(path):
   obs, exp = counts[keep], expected[keep] * counts.sum()
   p = sstats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
   assert p > P_MIN, f"{path}: successive sampling p={p}"
+
+
+def test_sub_byte_items_use_the_portable_path():
+  """XLA:CPU packs int4/uint4 two per byte; the kernels copy rows as bytes, so tables
+  with such leaves stay on the portable path (found in review: rows were garbled
+  and the last slots written past the buffer). A leaf of 3 uint4 also broke the
+  portable path's in-place ordering (a bitcast to uint8), fixed with it."""
+  spec = fr.TableSpec(8, {"a": jax.ShapeDtypeStruct((3,), jnp.uint4)})
+  assert not native.supports_insert(spec) and not native.supports_sample(spec, False)
+  t = _table(spec)
+  x = {"a": jnp.asarray(np.arange(15).reshape(5, 3) % 16, jnp.uint4)}
+  ins = jax.jit(t.insert)
+  assert "funcreplay_fifo_insert" not in ins.lower(t.init(), x).compile().as_text()
+  st = ins(ins(t.init(), x), x)  # wraps the ring
+  rows = np.asarray(st.data["a"]).astype(np.int32)
+  np.testing.assert_array_equal(rows[[2, 3, 4, 5, 6, 7, 0, 1]],
+                                np.concatenate([np.arange(15).reshape(5, 3)[2:],
+                                                np.arange(15).reshape(5, 3)]) % 16)
+  _, out = jax.jit(lambda s, k: t.sample(s, k, batch_size=8))(st, jax.random.PRNGKey(0))
+  np.testing.assert_array_equal(np.asarray(out.data["a"]).astype(np.int32),
+                                rows[np.asarray(out.info.slot)])

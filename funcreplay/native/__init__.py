@@ -24,6 +24,8 @@ afterwards) or ``FUNCREPLAY_NATIVE=0`` (the whole process) opt out.
 
 from __future__ import annotations
 
+import jax
+
 from funcreplay import selectors as sel
 from funcreplay.native.build import error, load
 from funcreplay.spec import TableSpec
@@ -49,9 +51,16 @@ def available() -> bool:
   return load()
 
 
+def _byte_rows(spec: TableSpec) -> bool:
+  """Every item leaf has whole-byte elements: the kernels copy rows as bytes, and
+  XLA:CPU packs sub-byte types (int4, uint4, int2, float4...) two or more per byte."""
+  return all(jax.dtypes.itemsize_bits(leaf.dtype) % 8 == 0 for leaf in spec.signature.leaves)
+
+
 def supports_insert(spec: TableSpec) -> bool:
-  """True if ``insert`` on ``spec`` has a native kernel (any sampler, ``Fifo`` remover)."""
-  return isinstance(spec.remover, sel.Fifo)
+  """True if ``insert`` on ``spec`` has a native kernel (any sampler, ``Fifo`` remover,
+  whole-byte item dtypes)."""
+  return isinstance(spec.remover, sel.Fifo) and _byte_rows(spec)
 
 
 def supports_update_priorities(spec: TableSpec) -> bool:
@@ -62,6 +71,6 @@ def supports_update_priorities(spec: TableSpec) -> bool:
 def supports_sample(spec: TableSpec, stratified: bool) -> bool:
   """True if ``sample`` on ``spec`` has a native kernel: a ``Uniform`` or
   ``Prioritized`` sampler, a remover without an order tree (``Fifo``,
-  ``Uniform``), not ``stratified``."""
+  ``Uniform``), not ``stratified``, whole-byte item dtypes."""
   return (isinstance(spec.sampler, (sel.Uniform, sel.Prioritized))
-          and not spec.needs_remover_tree and not stratified)
+          and not spec.needs_remover_tree and not stratified and _byte_rows(spec))

@@ -113,7 +113,8 @@ struct VersionIndex {
   }
 
   // Count versions[mask] in (delta = 1) or out (-1) (staleness._shift).
-  void Shift(const int32_t* versions, const bool* mask, int64_t n, int32_t delta) {
+  template <typename Mask>  // bool or uint8_t flags
+  void Shift(const int32_t* versions, const Mask* mask, int64_t n, int32_t delta) {
     if (v == 0) return;
     const int32_t limit = Sub(bounds[0], v);
     int32_t n_old_items = 0, min_old = kNone;
@@ -376,8 +377,13 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
   auto key_buf = args.get<ffi::AnyBuffer>(kKey).value();
   const uint32_t* kw = static_cast<const uint32_t*>(key_buf.untyped_data());
   const size_t nk = key_buf.element_count();
+  // Keys of more than two words (e.g. rbg) are folded in; the constant
+  // separates this stream from jax.random's own uses of the same key.
   uint32_t k0 = nk > 0 ? kw[0] : 0, k1 = nk > 1 ? kw[1] : 0;
-  for (size_t i = 2; i < nk; ++i) (i % 2 ? k1 : k0) ^= Rotl(kw[i], 7 * static_cast<int>(i));
+  for (size_t i = 2; i < nk; ++i) {
+    (i % 2 ? k1 : k0) ^= Rotl(kw[i], static_cast<int>((7 * i) % 31) + 1);
+  }
+  k0 ^= 0x66726570u;  // "frep"
   Threefry rng(k0, k1);
 
   const int32_t* params = Ptr<int32_t>(args, kParams);
@@ -555,11 +561,11 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
   CounterAdd(Ptr<uint32_t>(rets, kSamples - kFirstState), static_cast<uint64_t>(n));
   if (has_version) CounterAdd(Ptr<uint32_t>(rets, kStaleSum - kFirstState), stale_sum);
 
-  if (max_times_sampled > 0) {
+  if (max_times_sampled > 0 && enabled) {  // disabled: the state stays untouched
     // Free items that reached max_times_sampled, once per slot (with
     // replacement a slot may repeat: its last row reports it).
     uint64_t n_freed = 0, reuse_sum = 0;
-    std::vector<char> exhausted(b, 0);
+    std::vector<uint8_t> exhausted(b, 0);
     std::vector<int64_t> freed;  // weight-tree leaves set to 0
     SlotSet done(replace ? n : 1);
     for (int64_t i = n - 1; i >= 0; --i) {
@@ -580,7 +586,7 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
     CounterAdd(Ptr<uint32_t>(rets, kEvictedReuse - kFirstState), n_freed);
     CounterAdd(Ptr<uint32_t>(rets, kRemovedReuse - kFirstState), reuse_sum);
     VersionIndex index = OpenIndex(rets, kHist - kFirstState, kBounds - kFirstState);
-    index.Shift(out_version, reinterpret_cast<const bool*>(exhausted.data()), b, -1);
+    index.Shift(out_version, exhausted.data(), b, -1);
   }
   return ffi::Error::Success();
 }
@@ -640,7 +646,7 @@ ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int6
   }
   VersionIndex index = OpenIndex(rets, kIHist, kIBounds);
   index.Advance(in_version, mask, b);
-  std::vector<char> victim(b, 0);
+  std::vector<uint8_t> victim(b, 0);
   std::vector<int32_t> victim_version(b, 0);
   std::vector<int32_t> slot_of(b, -1);
   std::vector<int64_t> changed;  // weight-tree leaves written
@@ -692,7 +698,7 @@ ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int6
     i = j;
   }
   // As the portable path: remove the overwritten items, then add the new ones.
-  index.Shift(victim_version.data(), reinterpret_cast<const bool*>(victim.data()), b, -1);
+  index.Shift(victim_version.data(), victim.data(), b, -1);
   index.Shift(in_version, mask, b, 1);
   *write_pos = static_cast<int32_t>(pos);
   *next_key = key;
