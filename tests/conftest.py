@@ -35,6 +35,8 @@ def both_implementations(request):
 
   if request.param == "native":
     if not native.available():
+      if build.disabled():
+        pytest.skip("native kernels disabled by FUNCREPLAY_NATIVE")
       if build.compiler() is None:
         pytest.skip("no C++ compiler: the native kernels cannot be built here")
       pytest.fail(f"native kernels failed to build: {native.error()}")

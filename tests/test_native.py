@@ -38,6 +38,8 @@ P_MIN = 1e-3  # chi-square: fixed seeds, a correct sampler fails this 0.1% of th
 def _need_kernels():
   if not native.available():
     from funcreplay.native import build
+    if build.disabled():
+      pytest.skip("native kernels disabled by FUNCREPLAY_NATIVE")
     if build.compiler() is None:
       pytest.skip("no C++ compiler: the native kernels cannot be built here")
     pytest.fail(f"native kernels failed to build: {native.error()}")

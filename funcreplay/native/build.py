@@ -83,7 +83,7 @@ def load() -> bool:
     if _state["loaded"] is not None:
       return _state["loaded"]
     try:
-      if os.environ.get("FUNCREPLAY_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+      if disabled():
         raise RuntimeError("disabled by FUNCREPLAY_NATIVE")
       cxx = compiler()
       if cxx is None:
@@ -99,6 +99,11 @@ def load() -> bool:
         warnings.warn(f"funcreplay: native CPU kernels unavailable ({_state['error']}); "
                       "using the portable JAX implementation.", RuntimeWarning, stacklevel=3)
     return _state["loaded"]
+
+
+def disabled() -> bool:
+  """True when ``FUNCREPLAY_NATIVE`` turns the kernels off for this process."""
+  return os.environ.get("FUNCREPLAY_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def error() -> Optional[str]:
