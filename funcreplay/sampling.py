@@ -273,7 +273,8 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
       ``make_table`` sets this). Other backends run the JAX implementation.
     split_key: also return the next key of a key sequence: the sample uses a
       key derived from ``rng``, and ``(state, Sample, next_rng)`` comes back
-      (the host ``Table`` keeps its key this way). The native kernel derives
+      (the host ``Table`` keeps its key this way); with ``enabled`` False the
+      key does not advance (``next_rng`` is ``rng``). The native kernel derives
       both from ``rng`` itself: on XLA:CPU a ``jax.random.split`` in the same
       program costs ~70 us (its rolled threefry loop moves the program off
       the caller's thread).
@@ -318,7 +319,11 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
                                      num_eligible=ops.count(spec, st, where, ver))
 
     out = do(st) if enabled is None else lax.cond(enabled, do, skip, st)
-    return (*out, next_key) if split_key else out
+    if not split_key:
+      return out
+    if enabled is not None:  # a disabled call keeps the key
+      next_key = lax.cond(enabled, lambda: next_key, lambda: rng)
+    return (*out, next_key)
 
   if native and native_lib.supports_sample(spec, stratified) and native_lib.available():
     from funcreplay.native import sample as native_sample

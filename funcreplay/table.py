@@ -105,14 +105,14 @@ class _Ops:
       n_valid = jnp.where(cnt > 0, batch_size, 0) if replace else jnp.minimum(cnt, batch_size)
       limiter_ok = limiter.can_sample(size, state.limiter_diff, n_valid)
       ok = limiter_ok & (cnt >= min_valid)
-      state, out, new_rng = sampling.sample(spec, state, rng, batch_size=batch_size,
-                                            version=version, where=mask, replace=replace,
-                                            enabled=ok, native=native, split_key=True)
       # The key advances only on a successful sample: how often a waiter
-      # retried (timing) never changes the random stream. One int32[3] for
-      # the host (one transfer): ok, limiter_ok, eligible count.
+      # retried (timing) never changes the random stream.
+      state, out, rng = sampling.sample(spec, state, rng, batch_size=batch_size,
+                                        version=version, where=mask, replace=replace,
+                                        enabled=ok, native=native, split_key=True)
+      # One int32[3] for the host (one transfer): ok, limiter_ok, eligible count.
       flags = jnp.stack([ok.astype(jnp.int32), limiter_ok.astype(jnp.int32), cnt])
-      return state, jnp.where(ok, new_rng, rng), out, flags
+      return state, rng, out, flags
 
     def count(state, version, where, where_cols):
       return ops.count(spec, state, _where_mask(state, where, where_cols), version)

@@ -448,3 +448,9 @@ def test_sample_split_key_gives_a_key_sequence():
       _, out, k = f(state, k)
       seen.add(tuple(np.asarray(out.info.slot).tolist()))
     assert len(seen) == 6
+    # A disabled call samples nothing and keeps the key.
+    g = jax.jit(lambda s, k: t.sample(s, k, batch_size=8, split_key=True, enabled=False))
+    _, out, k2 = g(state, key)
+    assert not np.asarray(out.valid).any()
+    np.testing.assert_array_equal(jax.random.key_data(k2) if k2.dtype != jnp.uint32 else k2,
+                                  jax.random.key_data(key) if key.dtype != jnp.uint32 else key)

@@ -437,12 +437,15 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
     // same PRF at counters the draws below never reach, as a split would.
     auto next_buf = rets.get<ffi::AnyBuffer>(o++).value();
     uint32_t* next = static_cast<uint32_t*>(next_buf->untyped_data());
+    // A disabled call keeps the key (it sampled nothing).
     Threefry derive(k0, k1);
     derive.Seek(uint64_t{1} << 63);
     for (size_t i = 0; i < next_buf->element_count(); i += 2) {
       const uint64_t v = derive.Next64();
-      next[i] = static_cast<uint32_t>(v >> 32);
-      if (i + 1 < next_buf->element_count()) next[i + 1] = static_cast<uint32_t>(v);
+      next[i] = enabled ? static_cast<uint32_t>(v >> 32) : kw[i];
+      if (i + 1 < next_buf->element_count()) {
+        next[i + 1] = enabled ? static_cast<uint32_t>(v) : kw[i + 1];
+      }
     }
   }
 
