@@ -31,15 +31,10 @@ def both_implementations(request):
   not build; it skips only on a machine without a C++ compiler.
   """
   from funcreplay import native
-  from funcreplay.native import build
+  from tests.helpers import require_native_kernels
 
   if request.param == "native":
-    if not native.available():
-      if build.disabled():
-        pytest.skip("native kernels disabled by FUNCREPLAY_NATIVE")
-      if build.compiler() is None:
-        pytest.skip("no C++ compiler: the native kernels cannot be built here")
-      pytest.fail(f"native kernels failed to build: {native.error()}")
+    require_native_kernels()
   previous = native.default()
   native.set_default(request.param == "native")
   yield request.param

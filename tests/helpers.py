@@ -15,6 +15,21 @@ from funcreplay import indexes
 ITEM = {"x": jax.ShapeDtypeStruct((), jnp.int32), "y": jax.ShapeDtypeStruct((2,), jnp.float32)}
 
 
+def require_native_kernels():
+  """Skip (disabled by FUNCREPLAY_NATIVE, or no C++ compiler) or fail (a compiler
+  exists but the kernels do not build) unless the native kernels are available."""
+  import pytest
+
+  from funcreplay.native import build
+  if fr.native.available():
+    return
+  if build.disabled():
+    pytest.skip("native kernels disabled by FUNCREPLAY_NATIVE")
+  if build.compiler() is None:
+    pytest.skip("no C++ compiler: the native kernels cannot be built here")
+  pytest.fail(f"native kernels failed to build: {fr.native.error()}")
+
+
 def items_from_ids(ids):
   ids = np.asarray(ids, np.int32)
   return {"x": jnp.asarray(ids), "y": jnp.asarray(np.stack([ids, -ids], -1).astype(np.float32))}

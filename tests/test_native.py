@@ -29,20 +29,14 @@ from jax import lax
 
 import funcreplay as fr
 from funcreplay import indexes, native, ops, sampling
-from tests.helpers import ITEM, assert_trees_consistent, items_from_ids
+from tests.helpers import ITEM, assert_trees_consistent, items_from_ids, require_native_kernels
 
 P_MIN = 1e-3  # chi-square: fixed seeds, a correct sampler fails this 0.1% of the time
 
 
 @pytest.fixture(autouse=True)
 def _need_kernels():
-  if not native.available():
-    from funcreplay.native import build
-    if build.disabled():
-      pytest.skip("native kernels disabled by FUNCREPLAY_NATIVE")
-    if build.compiler() is None:
-      pytest.skip("no C++ compiler: the native kernels cannot be built here")
-    pytest.fail(f"native kernels failed to build: {native.error()}")
+  require_native_kernels()
 
 
 def _table(spec, use_native=True):
