@@ -15,6 +15,7 @@ from funcreplay.ingest import (
     IngestorStats,
 )
 from funcreplay.ops import Stats
+from funcreplay.packing import PackedField, PackedLayout, PackedSample
 from funcreplay.rate_limiters import MinSize, Queue, RateLimiter, SampleToInsertRatio, Stack
 from funcreplay.sampling import importance_weights
 from funcreplay.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform
@@ -35,5 +36,6 @@ __all__ = [
     "ShardedTable", "make_sharded_table", "Table", "TableClosedError", "checkpoint",
     "CheckpointError", "PeriodicCheckpointer", "save", "restore", "Ingestor",
     "IngestorClosedError", "IngestorError", "IngestorFullError", "IngestorStats",
-    "SequenceWriter", "WriterStats", "sequence_signature", "native",
+    "SequenceWriter", "WriterStats", "sequence_signature", "native", "PackedSample",
+    "PackedLayout", "PackedField",
 ]

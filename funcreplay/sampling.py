@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from funcreplay import counters as ctr
-from funcreplay import indexes, inplace, ops, ordering, staleness, trees
+from funcreplay import indexes, inplace, ops, ordering, packing, staleness, trees
 from funcreplay import native as native_lib
 from funcreplay import rate_limiters as rl
 from funcreplay import selectors as sel
@@ -249,7 +249,7 @@ def _draw_stratified(spec, state, rng, batch_size):
 
 def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=None,
            where=None, replace: bool = False, stratified: bool = False, enabled=None,
-           native: bool = False, split_key: bool = False):
+           native: bool = False, split_key: bool = False, packed: bool = False):
   """Sample ``batch_size`` items.
 
   Args:
@@ -278,6 +278,9 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
       both from ``rng`` itself: on XLA:CPU a ``jax.random.split`` in the same
       program costs ~70 us (its rolled threefry loop moves the program off
       the caller's thread).
+    packed: return the batch as a ``PackedSample`` (one uint8 buffer,
+      ``funcreplay.packing``) instead of a ``Sample``; the native kernel
+      writes it directly. Needs whole-byte item dtypes.
 
   Returns:
     ``(state, Sample)``. The state has ``times_sampled`` incremented for every
@@ -301,6 +304,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
                      "sampler, and no where/staleness mask (strata are over the whole table).")
   ver = None if version is None else jnp.asarray(version, jnp.int32)
   enabled = None if enabled is None else jnp.asarray(enabled, bool)
+  layout = packing.layout(spec.signature, b) if packed else None  # raises if unpackable
 
   def portable(st):
     key = rng
@@ -319,6 +323,8 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
                                      num_eligible=ops.count(spec, st, where, ver))
 
     out = do(st) if enabled is None else lax.cond(enabled, do, skip, st)
+    if layout is not None:
+      out = (out[0], packing.PackedSample(packing.pack(out[1], layout), layout))
     if not split_key:
       return out
     if enabled is not None:  # a disabled call keeps the key
@@ -329,8 +335,11 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     from funcreplay.native import sample as native_sample
 
     def kernel(st):
-      out = native_sample.sample(spec, st, rng, b, ver, where, replace, enabled)
-      return out if split_key else out[:2]
+      st, out, next_key = native_sample.sample(spec, st, rng, b, ver, where, replace, enabled,
+                                               layout)
+      if layout is not None:
+        out = packing.PackedSample(out, layout)
+      return (st, out, next_key) if split_key else (st, out)
 
     return lax.platform_dependent(state, cpu=kernel, default=portable)
   return portable(state)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcreplay import inplace, ops, sampling
+from funcreplay import inplace, ops, packing, sampling
 from funcreplay import native as native_lib
 from funcreplay import selectors as sel
 from funcreplay import signature as sig_lib
@@ -97,7 +97,8 @@ class _Ops:
       rng = jnp.where(k > 0, new_rng, rng) if uniform_remover else rng
       return state, rng, k
 
-    def sample(state, rng, version, where, where_cols, min_valid, *, batch_size, replace):
+    def sample(state, rng, version, where, where_cols, min_valid, *, batch_size, replace,
+               packed):
       mask = _where_mask(state, where, where_cols)
       # Single reads of the tree root: XLA re-fuses a cheap read into every
       # use, and a use not ordered before the in-place sample costs a tree copy.
@@ -109,7 +110,8 @@ class _Ops:
       # retried (timing) never changes the random stream.
       state, out, rng = sampling.sample(spec, state, rng, batch_size=batch_size,
                                         version=version, where=mask, replace=replace,
-                                        enabled=ok, native=native, split_key=True)
+                                        enabled=ok, native=native, split_key=True,
+                                        packed=packed)
       # One int32[3] for the host (one transfer): ok, limiter_ok, eligible count.
       flags = jnp.stack([ok.astype(jnp.int32), limiter_ok.astype(jnp.int32), cnt])
       return state, rng, out, flags
@@ -134,7 +136,8 @@ class _Ops:
     donate = dict(donate_argnums=0)
     self.init = jax.jit(functools.partial(state_lib.init_state, spec))
     self.insert = jax.jit(insert, **donate)
-    self.sample = jax.jit(sample, static_argnames=("batch_size", "replace"), **donate)
+    self.sample = jax.jit(sample, static_argnames=("batch_size", "replace", "packed"),
+                          **donate)
     self.count = jax.jit(count)
     self.evict_stale = jax.jit(evict_stale, **donate)
     self.delete = jax.jit(delete, **donate)
@@ -471,34 +474,58 @@ class Table:
       ``valid`` bool[B], ``info`` (slot int32[B], key uint32[B], probability
       float32[B], priority, times_sampled, version), ``num_eligible`` int32[].
     """
+    return self._sample("Table.sample", batch_size, version, where, timeout, replace, min_valid,
+                        packed=False)
+
+  def sample_packed(self, batch_size: int, *, version: Optional[int] = None,
+                    where: Where = None, timeout: Optional[float] = None, replace: bool = False,
+                    min_valid: Optional[int] = None) -> packing.PackedSample:
+    """``sample``, returning the batch as one contiguous buffer (``fr.PackedSample``).
+
+    Same arguments, semantics and random stream as ``sample`` (a table with
+    the same seed and history hands out the same items either way). The
+    fields lie in ``uint8[N]`` at the offsets of ``PackedSample.layout``,
+    written by the sampling program itself: a consumer outside JAX takes the
+    whole batch with one export (``funcreplay.torch`` does, then views each
+    field), instead of one per array, which costs ~10 us each on a CPU.
+    Items with sub-byte dtypes (int4, ...) cannot be packed (ValueError).
+    """
+    return self._sample("Table.sample_packed", batch_size, version, where, timeout, replace,
+                        min_valid, packed=True)
+
+  def _sample(self, what, batch_size, version, where, timeout, replace, min_valid, *, packed):
     self._check_open("sample")
     spec = self.spec
     timeout = _check_timeout(timeout)
     if isinstance(batch_size, (bool, np.bool_)) or not isinstance(batch_size, (int, np.integer)) \
         or batch_size < 1:
-      raise ValueError(f"Table.sample: batch_size must be an int >= 1, got {batch_size!r}.")
+      raise ValueError(f"{what}: batch_size must be an int >= 1, got {batch_size!r}.")
     batch_size = int(batch_size)
     replace = bool(replace)
     if not replace and batch_size > spec.capacity:
-      raise ValueError(f"Table.sample: batch_size {batch_size} exceeds the capacity "
+      raise ValueError(f"{what}: batch_size {batch_size} exceeds the capacity "
                        f"{spec.capacity}; use replace=True or a smaller batch.")
     if replace and sel.is_ordered(spec.sampler):
-      raise ValueError(f"Table.sample: replace=True is not supported by the deterministic "
+      raise ValueError(f"{what}: replace=True is not supported by the deterministic "
                        f"{type(spec.sampler).__name__} sampler.")
     if min_valid is None:
       min_valid = 1 if replace else batch_size
     limit = min(batch_size, spec.capacity) if not replace else spec.capacity
-    min_valid = _check_int(min_valid, "Table.sample min_valid", 0, limit)
+    min_valid = _check_int(min_valid, f"{what} min_valid", 0, limit)
     ver = np.int32(_check_int(self._version if version is None else version,
-                              "Table.sample version"))
-    mask, cols = self._where(where, "Table.sample")
+                              f"{what} version"))
+    mask, cols = self._where(where, what)
+    if packed:
+      why = packing.packable(spec.signature)
+      if why is not None:
+        raise ValueError(f"{what}: cannot pack this table's items: {why}. Use Table.sample.")
     deadline = None if timeout is None else time.monotonic() + timeout
     with self._cond:
       while True:
         self._check_open("sample")
         self._state, self._rng, out, flags = self._ops.sample(
             self._state, self._rng, ver, mask, cols, np.int32(min_valid),
-            batch_size=batch_size, replace=replace)
+            batch_size=batch_size, replace=replace, packed=packed)
         ok, limiter_ok, cnt = (int(x) for x in np.asarray(flags))
         if ok:
           self._cond.notify_all()
@@ -515,7 +542,7 @@ class Table:
                        + ("; restricted by where" if where is not None else "")
                        + "); insert more (fresh) items or lower min_valid")
           why = "; and ".join(why)
-          raise TimeoutError(f"Table.sample({batch_size}) timed out after {timeout} s: {why}, "
+          raise TimeoutError(f"{what}({batch_size}) timed out after {timeout} s: {why}, "
                              "or pass a larger timeout.")
 
   # -- other mutations --------------------------------------------------------------

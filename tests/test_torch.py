@@ -279,6 +279,102 @@ def test_sampled_batch_is_fresh_and_survives_further_inserts(batch):
   table.close()
 
 
+# --- packed batches: one export per call ------------------------------------------------
+
+def _assert_batch_equals_sample(batch, smp):
+  """A TorchBatch holds exactly the arrays of a JAX Sample (same dtypes, bool stays bool)."""
+  pairs = list(zip(jax.tree_util.tree_leaves((batch.data, batch.valid, batch.info)),
+                   jax.tree_util.tree_leaves((smp.data, smp.valid, smp.info)), strict=True))
+  for t, x in pairs:
+    assert t.dtype == TORCH_OF[jnp.dtype(x.dtype).type] and tuple(t.shape) == x.shape
+    np.testing.assert_array_equal(_np(t), _jnp(x))
+  assert batch.num_eligible == int(smp.num_eligible)
+
+
+def test_packed_to_torch_is_one_zero_copy_export_of_the_whole_batch():
+  twin_a, twin_b = _table(16, sampler=PRIO), _table(16, sampler=PRIO)
+  for t in (twin_a, twin_b):
+    t.insert(_rows(0, 16), priority=np.linspace(0.5, 2, 16))
+  packed = twin_a.sample_packed(8)
+  batch = frt.packed_to_torch(packed, beta=0.4, on_copy="raise")
+  _assert_batch_equals_sample(batch, twin_b.sample(8))
+  base = packed.buffer.unsafe_buffer_pointer()
+  end = base + packed.layout.nbytes
+  tensors = jax.tree_util.tree_leaves((batch.data, batch.valid, batch.info))
+  for t, f in zip(tensors, packed.layout.fields, strict=False):
+    assert t.data_ptr() == base + f.offset  # a view of the buffer, at the field's offset
+    assert base <= t.data_ptr() and t.data_ptr() + t.nbytes <= end and t.is_contiguous()
+  ref = (batch.info.probability.double() * batch.num_eligible) ** -0.4
+  np.testing.assert_allclose(batch.weights.numpy(), (ref / ref.max()).numpy(), rtol=1e-5)
+  before = [t.clone() for t in tensors]
+  del packed  # torch keeps the buffer alive through the DLPack capsule
+  gc.collect()
+  for k in range(3):  # overwrite every slot (donating the state): the batch is untouched
+    twin_a.insert(_rows(50 + 16 * k, 16))
+    twin_a.sample_packed(8)
+  for t, b in zip(tensors, before, strict=True):
+    assert torch.equal(t, b)
+  twin_a.close()
+  twin_b.close()
+
+
+def test_packed_batches_cut_one_call_into_row_ranges():
+  twin_a, twin_b = _table(32), _table(32)
+  for t in (twin_a, twin_b):
+    t.insert(_rows(0, 32))
+  parts = frt.packed_batches(twin_a.sample_packed(12), 3, on_copy="raise")
+  whole = twin_b.sample(12)
+  assert len(parts) == 3
+  for i, part in enumerate(parts):
+    _assert_batch_equals_sample(part, jax.tree_util.tree_map(lambda x, i=i: x[4 * i:4 * i + 4]
+                                                            if x.ndim else x, whole))
+  with pytest.raises(ValueError, match="parts must be an int >= 1 dividing the 12 rows"):
+    frt.packed_batches(twin_a.sample_packed(12), 5)
+  with pytest.raises(TypeError, match="expects a funcreplay PackedSample"):
+    frt.packed_batches(whole)
+  twin_a.close()
+  twin_b.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("per_call", [1, 2])
+def test_torch_sampler_hands_out_the_packed_sample_of_each_call(per_call, monkeypatch):
+  twin_a, twin_b = _table(32, sampler=PRIO), _table(32, sampler=PRIO)
+  for t in (twin_a, twin_b):
+    t.insert(_rows(0, 32), priority=np.linspace(0.5, 2, 32))
+  calls = []
+  original = twin_a.sample_packed
+  monkeypatch.setattr(twin_a, "sample_packed", lambda *a, **k: calls.append(a) or original(*a, **k))
+  with frt.TorchSampler(twin_a, 4, prefetch=0, batches_per_call=per_call, num_batches=4,
+                        on_copy="raise") as sampler:
+    batches = list(sampler)
+  assert len(calls) == 4 // per_call
+  for i in range(0, 4, per_call):
+    whole = twin_b.sample(4 * per_call)
+    for j in range(per_call):
+      _assert_batch_equals_sample(batches[i + j], jax.tree_util.tree_map(
+          lambda x, j=j: x[4 * j:4 * j + 4] if x.ndim else x, whole))
+  twin_a.close()
+  twin_b.close()
+
+
+@pytest.mark.timeout(60)
+def test_torch_sampler_falls_back_to_per_array_export_without_sample_packed():
+  class Plain:  # a table-like object with only the sample / update_priorities API
+    def __init__(self, table):
+      self.sample, self.update_priorities = table.sample, table.update_priorities
+
+  table = _table(16)
+  table.insert(_rows(0, 16))
+  with frt.TorchSampler(Plain(table), 4, prefetch=0, num_batches=2, on_copy="raise") as s:
+    batches = list(s)
+  assert len(batches) == 2 and all(b.valid.all() for b in batches)
+  for b in batches:
+    np.testing.assert_array_equal(b.data["obs"][:, 0].numpy(),
+                                  b.data["a"].numpy().astype(np.float32))
+  table.close()
+
+
 def test_priority_write_back_from_torch_and_stale_keys_ignored():
   table = _table(16, sampler=PRIO)
   table.insert(_rows(0, 16))

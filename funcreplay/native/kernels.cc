@@ -368,7 +368,8 @@ std::vector<int32_t> WeightedWithoutReplacement(Threefry& rng, const std::vector
 
 ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t batch_size,
                       int64_t capacity, bool replace, int64_t max_times_sampled,
-                      bool has_version, bool has_where, bool ring) {
+                      bool has_version, bool has_where, bool ring,
+                      ffi::Span<const int64_t> packed) {
   const int64_t b = batch_size;
   const int64_t c = capacity;
   const size_t n_data = args.size() - kData;
@@ -408,25 +409,59 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
   const int32_t write_pos = *Ptr<int32_t>(rets, kWritePos - kFirstState);
   const uint32_t* inserts = Ptr<uint32_t>(rets, kInserts - kFirstState);
 
-  // Outputs after the state.
+  // Outputs after the state: the rows and info columns as separate arrays, or
+  // (``packed`` = byte offsets of the n_data leaves, valid, the six info
+  // columns, num_eligible, then the total size) all in one uint8 buffer
+  // (funcreplay/packing.py's layout). packed = [-1]: separate arrays.
+  const bool is_packed = packed.size() == n_data + 9 && packed[0] >= 0;
   size_t o = n_state;
+  std::vector<const char*> src(n_data);
+  for (size_t d = 0; d < n_data; ++d) src[d] = Ptr<const char>(rets, kData - kFirstState + d);
   std::vector<char*> rows(n_data);
   std::vector<size_t> row_bytes(n_data);
   for (size_t d = 0; d < n_data; ++d) {
-    auto r = rets.get<ffi::AnyBuffer>(o + d).value();
-    rows[d] = static_cast<char*>(r->untyped_data());
-    row_bytes[d] = b > 0 ? r->size_bytes() / b : 0;
+    auto leaf = rets.get<ffi::AnyBuffer>(kData - kFirstState + d).value();
+    row_bytes[d] = c > 0 ? leaf->size_bytes() / c : 0;
   }
-  o += n_data;
-  std::vector<const char*> src(n_data);
-  for (size_t d = 0; d < n_data; ++d) src[d] = Ptr<const char>(rets, kData - kFirstState + d);
-  bool* out_valid = Ptr<bool>(rets, o++);
-  int32_t* out_slot = Ptr<int32_t>(rets, o++);
-  uint32_t* out_key = Ptr<uint32_t>(rets, o++);
-  float* out_prob = Ptr<float>(rets, o++);
-  float* out_prio = Ptr<float>(rets, o++);
-  int32_t* out_times = Ptr<int32_t>(rets, o++);
-  int32_t* out_version = Ptr<int32_t>(rets, o++);
+  std::vector<char*> columns(8);  // valid, slot, key, prob, prio, times, version, num_eligible
+  if (is_packed) {
+    auto buf = rets.get<ffi::AnyBuffer>(o++).value();
+    char* base = static_cast<char*>(buf->untyped_data());
+    // Zero the alignment gaps (the buffer comes uninitialised); fields are
+    // written below. Sizes: rows * row bytes, B * 4 (valid: B), 4.
+    std::vector<std::pair<int64_t, int64_t>> spans;
+    for (size_t d = 0; d < n_data; ++d) {
+      rows[d] = base + packed[d];
+      spans.emplace_back(packed[d], packed[d] + static_cast<int64_t>(b * row_bytes[d]));
+    }
+    for (size_t j = 0; j < 8; ++j) {
+      columns[j] = base + packed[n_data + j];
+      const int64_t size = j == 0 ? b : (j == 7 ? 4 : 4 * b);
+      spans.emplace_back(packed[n_data + j], packed[n_data + j] + size);
+    }
+    int64_t end = 0;
+    for (const auto& [lo, hi] : spans) {  // fields are laid out in order
+      if (lo > end) std::memset(base + end, 0, static_cast<size_t>(lo - end));
+      end = hi;
+    }
+    const int64_t total = packed[n_data + 8];
+    if (total > end) std::memset(base + end, 0, static_cast<size_t>(total - end));
+  } else {
+    for (size_t d = 0; d < n_data; ++d) {
+      rows[d] = static_cast<char*>(rets.get<ffi::AnyBuffer>(o++).value()->untyped_data());
+    }
+    for (size_t j = 0; j < 7; ++j) {
+      columns[j] = static_cast<char*>(rets.get<ffi::AnyBuffer>(o++).value()->untyped_data());
+    }
+  }
+  bool* out_valid = reinterpret_cast<bool*>(columns[0]);
+  int32_t* out_slot = reinterpret_cast<int32_t*>(columns[1]);
+  uint32_t* out_key = reinterpret_cast<uint32_t*>(columns[2]);
+  float* out_prob = reinterpret_cast<float*>(columns[3]);
+  float* out_prio = reinterpret_cast<float*>(columns[4]);
+  int32_t* out_times = reinterpret_cast<int32_t*>(columns[5]);
+  int32_t* out_version = reinterpret_cast<int32_t*>(columns[6]);
+  if (is_packed) std::memcpy(columns[7], &params[2], sizeof(int32_t));
   int32_t* out_n = Ptr<int32_t>(rets, o++);
   // num_eligible goes back out through the kernel: the caller computed it
   // from reads of the count tree, and returning those reads directly would
@@ -773,7 +808,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplaySample, SampleImpl,
                                   .Attr<int64_t>("max_times_sampled")
                                   .Attr<bool>("has_version")
                                   .Attr<bool>("has_where")
-                                  .Attr<bool>("ring"));
+                                  .Attr<bool>("ring")
+                                  .Attr<ffi::Span<const int64_t>>("packed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayFifoInsert, FifoInsertImpl,
                               ffi::Ffi::Bind()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from funcreplay import indexes, ops, staleness
 from funcreplay import rate_limiters as rl
@@ -33,10 +34,12 @@ def _key_words(rng) -> jnp.ndarray:
 
 
 def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
-           replace: bool, enabled=None):
+           replace: bool, enabled=None, layout=None):
   """``(state, Sample, next_key)``; arguments already validated by ``sampling.sample``.
 
   ``enabled`` False: no sample (state unchanged, every row invalid).
+  ``layout``: a ``packing.PackedLayout``: the kernel writes the batch straight
+  into one uint8 buffer, returned in place of the ``Sample``.
   ``next_key``: the successor of ``rng`` in a key sequence (raw ``uint32[2]``
   key data, or a typed key of ``rng``'s implementation), drawn by the kernel
   from its threefry stream at a counter the sample draws never reach.
@@ -71,10 +74,15 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
   operands = [key_words, params, jnp.asarray(total, jnp.float32),
               where if where is not None else jnp.zeros((0,), bool), *state_ops]
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops]
-  out_types += [jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype) for x in data_leaves]
-  out_types += [jax.ShapeDtypeStruct((b,), d) for d in
-                (jnp.bool_, jnp.int32, jnp.uint32, jnp.float32, jnp.float32, jnp.int32,
-                 jnp.int32)]
+  if layout is not None:
+    out_types.append(jax.ShapeDtypeStruct((layout.nbytes,), jnp.uint8))
+    offsets = np.array([f.offset for f in layout.fields] + [layout.nbytes], np.int64)
+  else:
+    out_types += [jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype) for x in data_leaves]
+    out_types += [jax.ShapeDtypeStruct((b,), d) for d in
+                  (jnp.bool_, jnp.int32, jnp.uint32, jnp.float32, jnp.float32, jnp.int32,
+                   jnp.int32)]
+    offsets = np.array([-1], np.int64)
   out_types += [jax.ShapeDtypeStruct((), jnp.int32)] * 2  # valid rows, num_eligible echoed
   out_types.append(jax.ShapeDtypeStruct(key_words.shape, jnp.uint32))  # next key
   call = jax.ffi.ffi_call("funcreplay_sample", out_types, vmap_method="sequential",
@@ -82,16 +90,24 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
   res = call(*operands, batch_size=b, capacity=c, replace=bool(replace),
              max_times_sampled=int(spec.max_times_sampled), has_version=has_version,
              has_where=where is not None,
-             ring=isinstance(spec.sampler, sel.Uniform) and isinstance(spec.remover, sel.Fifo))
+             ring=isinstance(spec.sampler, sel.Uniform) and isinstance(spec.remover, sel.Fifo),
+             packed=offsets)
 
   n_state = len(state_ops)
   (occupied, key, version, times, priority, occ_tree, weight_tree, write_pos), res_counters = (
       res[:8], res[8:8 + len(_COUNTERS)])
   hist, bounds = res[8 + len(_COUNTERS):10 + len(_COUNTERS)]
   new_data = res[10 + len(_COUNTERS):n_state]
-  rows = res[n_state:n_state + len(data_leaves)]
-  valid, slot, key_o, prob, prio, times_o, version_o, n_valid, num_eligible, next_words = (
-      res[n_state + len(data_leaves):])
+  if layout is not None:
+    out, n_valid, num_eligible, next_words = res[n_state:]
+  else:
+    rows = res[n_state:n_state + len(data_leaves)]
+    valid, slot, key_o, prob, prio, times_o, version_o, n_valid, num_eligible, next_words = (
+        res[n_state + len(data_leaves):])
+    info = SampleInfo(slot=slot, key=key_o, probability=prob, priority=prio,
+                      times_sampled=times_o, version=version_o)
+    out = Sample(data=jax.tree_util.tree_unflatten(data_def, rows), valid=valid, info=info,
+                 num_eligible=num_eligible)
 
   counters = dict(state.counters)
   counters.update(zip(_COUNTERS, res_counters))
@@ -101,12 +117,9 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
       weight_tree=weight_tree,
       write_pos=write_pos, counters=counters, version_hist=hist, version_bounds=bounds,
       limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, sampled=n_valid))
-  info = SampleInfo(slot=slot, key=key_o, probability=prob, priority=prio,
-                    times_sampled=times_o, version=version_o)
   next_key = next_words.reshape(jnp.shape(jax.random.key_data(rng)) if _typed(rng)
                                 else jnp.shape(rng)).astype(
       jnp.uint32 if _typed(rng) else jnp.asarray(rng).dtype)
   if _typed(rng):
     next_key = jax.random.wrap_key_data(next_key, impl=jax.random.key_impl(rng))
-  return state, Sample(data=jax.tree_util.tree_unflatten(data_def, rows), valid=valid,
-                       info=info, num_eligible=num_eligible), next_key
+  return state, out, next_key

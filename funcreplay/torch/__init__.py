@@ -42,9 +42,15 @@ What crosses the boundary, and the pitfalls handled (DESIGN.md section 5):
 * **Aliasing.** A zero-copy ``from_torch`` result shares memory with the
   tensor: in-place torch updates (an optimizer step) show through the
   "immutable" JAX array. Pass ``copy=True`` for a snapshot.
-* **Per-call cost.** On CPU the table call (dispatch, host sync) dominates a
-  small batch: ``TorchSampler(batches_per_call=k)`` samples ``k * B`` rows in
-  one call and hands them out as ``k`` zero-copy slices.
+* **One export per batch.** A DLPack export of a fresh CPU array costs ~10 us
+  and a batch has about a dozen arrays, so ``TorchSampler`` samples with
+  ``Table.sample_packed`` (the whole batch in one buffer, written by the
+  sampling program) and views each field of the one exported tensor
+  (``packed_to_torch`` / ``packed_batches``). Moving to another device is one
+  copy of that buffer.
+* **Per-call cost.** On CPU the table call (dispatch, host sync) is the rest
+  of a small batch's cost: ``TorchSampler(batches_per_call=k)`` samples
+  ``k * B`` rows in one call and hands them out as ``k`` zero-copy batches.
 * **Pinned memory.** ``TorchSampler(device="cuda")`` over a host table copies
   each batch through pinned memory with ``non_blocking`` transfers on its
   prefetch thread.
@@ -69,10 +75,11 @@ from funcreplay.torch.dlpack import (
                                       to_torch,
                                       to_torch_with_report,
 )
+from funcreplay.torch.packed import packed_batches, packed_to_torch
 from funcreplay.torch.sampler import TorchSampler
 
 __all__ = [
     "BridgeCopyWarning", "TransferReport", "to_torch", "to_torch_with_report", "from_torch",
     "from_torch_with_report", "TorchInfo", "TorchBatch", "sample_to_torch", "TorchSampler",
-    "update_priorities", "priorities_to_numpy",
+    "update_priorities", "priorities_to_numpy", "packed_to_torch", "packed_batches",
 ]

@@ -13,8 +13,11 @@ import numpy as np
 import torch
 from torch.utils import data as torch_data
 
+from funcreplay import packing
+from funcreplay.packing import PackedSample
 from funcreplay.torch.batches import TorchBatch, _weights, sample_to_torch
 from funcreplay.torch.dlpack import OnCopy, _check_on_copy
+from funcreplay.torch.packed import packed_batches, unsupported
 
 # --- the iterator ------------------------------------------------------------------------
 
@@ -194,6 +197,7 @@ class TorchSampler(torch_data.IterableDataset):
     self._iterators: list = []
     self._default: Optional[_BatchIterator] = None
     self._sampled = 0
+    self._packed: Optional[bool] = None  # decided on the first sample
 
   # -- sampling --------------------------------------------------------------------------
   def _beta(self, index: int) -> Optional[float]:
@@ -212,9 +216,9 @@ class TorchSampler(torch_data.IterableDataset):
         wait = left if wait is None else min(wait, left)
       version = None if self.version_fn is None else self.version_fn()
       try:
-        smp = self.table.sample(self.batch_size * self.batches_per_call, version=version,
-                                where=self.where, timeout=wait, replace=self.replace,
-                                min_valid=self.min_valid)
+        smp = self._sample(self.batch_size * self.batches_per_call, version=version,
+                           where=self.where, timeout=wait, replace=self.replace,
+                           min_valid=self.min_valid)
         break
       except TimeoutError:
         if deadline is not None and time.monotonic() >= deadline:
@@ -226,20 +230,37 @@ class TorchSampler(torch_data.IterableDataset):
       index = self._sampled
       self._sampled += k
     on_dev = self.device is None or self.device.type == "cpu"
-    big = sample_to_torch(smp, device=self.device, beta=None, on_copy=self.on_copy,
-                          non_blocking=not on_dev)
+    if isinstance(smp, PackedSample):
+      parts = packed_batches(smp, k, device=self.device, on_copy=self.on_copy,
+                             non_blocking=not on_dev)
+    else:
+      big = sample_to_torch(smp, device=self.device, beta=None, on_copy=self.on_copy,
+                            non_blocking=not on_dev)
+      b = self.batch_size
+      parts = [big if k == 1 else jax.tree_util.tree_map(lambda t, i=i: t[i * b:(i + 1) * b], big)
+               for i in range(k)]
     if not on_dev and self.device.type == "cuda" and stop is not None:
       # The copies were issued on this thread's stream; finish them before handing over.
       torch.cuda.current_stream(self.device).synchronize()
-    b = self.batch_size
-    for i in range(k):
-      part = big if k == 1 else jax.tree_util.tree_map(lambda t, i=i: t[i * b:(i + 1) * b], big)
+    for i, part in enumerate(parts):
       beta = self._beta(index + i)
       if beta is not None:
         w = _weights(part.info.probability, part.valid, part.num_eligible, beta)
         part = dataclasses.replace(part, weights=w)
       pending.append(part)
     return pending.pop(0)
+
+  def _sample(self, rows: int, **kwargs):
+    """A ``PackedSample`` (one export for the whole call) where the table and the
+    item dtypes allow it, else a ``Sample``."""
+    if self._packed is None:
+      spec = getattr(self.table, "spec", None)
+      self._packed = (hasattr(self.table, "sample_packed") and spec is not None
+                      and packing.packable(spec.signature) is None
+                      and unsupported(packing.layout(spec.signature, rows)) is None)
+    if self._packed:
+      return self.table.sample_packed(rows, **kwargs)
+    return self.table.sample(rows, **kwargs)
 
   # -- iteration ---------------------------------------------------------------------------
   def __iter__(self) -> _BatchIterator:

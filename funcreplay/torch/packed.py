@@ -1,0 +1,152 @@
+"""``TorchBatch`` views of a packed sample (``Table.sample_packed``): one DLPack export per call.
+
+``torch.from_dlpack`` of a fresh JAX CPU array costs ~10 us, more than the
+rest of handing a batch over; a ``Sample`` has about a dozen arrays. A
+``PackedSample`` is one buffer, so the batch crosses with one export (or one
+host-to-device copy) and every field becomes a view at its offset
+(``as_strided`` on a view of the buffer as that field's dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import List, Optional
+
+import jax
+import numpy as np
+import torch
+
+from funcreplay.packing import PackedLayout, PackedSample
+from funcreplay.torch.batches import TorchBatch, TorchInfo, _weights
+from funcreplay.torch.dlpack import (
+  OnCopy,
+  TransferReport,
+  _as_device,
+  _handle_copies,
+  _jax_pointer,
+  _move,
+  _same_device,
+)
+
+_INFO_FIELDS = ("slot", "key", "probability", "priority", "times_sampled", "version")
+
+
+def torch_dtype(dtype) -> Optional[torch.dtype]:
+  """The torch dtype of a numpy / JAX dtype (same name), or None if torch has none."""
+  name = np.dtype(dtype).name
+  t = getattr(torch, name, None)
+  return t if isinstance(t, torch.dtype) else None
+
+
+def unsupported(layout: PackedLayout) -> Optional[str]:
+  """None if every field of ``layout`` has a torch dtype, else which one does not."""
+  return _unsupported(layout)
+
+
+@functools.lru_cache(maxsize=256)
+def _unsupported(layout: PackedLayout) -> Optional[str]:
+  for f in layout.fields:
+    if torch_dtype(f.dtype) is None:
+      return f"field {f.name} has dtype {f.dtype.name}, which torch does not have"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Precomputed views of one (layout, parts): per field its torch dtype, the
+  shape and strides of one part, and the element offset of part 0."""
+
+  dtypes: tuple  # distinct torch dtypes of the fields
+  views: tuple   # (dtype index, shape, strides, start, elements per part) per field
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(lay: PackedLayout, parts: int) -> _Plan:
+  dtypes, views = [], []
+  b = lay.batch_size // parts
+  for f in lay.fields[:-1]:
+    td = torch_dtype(f.dtype)
+    if td not in dtypes:
+      dtypes.append(td)
+    shape = (b,) + f.shape[1:]
+    views.append((dtypes.index(td), shape, _contiguous_strides(shape),
+                  f.offset // f.dtype.itemsize, int(np.prod(shape, dtype=np.int64))))
+  return _Plan(tuple(dtypes), tuple(views))
+
+
+def _contiguous_strides(shape) -> tuple:
+  strides, acc = [], 1
+  for n in reversed(shape):
+    strides.append(acc)
+    acc *= max(n, 1)
+  return tuple(reversed(strides))
+
+
+def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
+                   on_copy: OnCopy = "warn", non_blocking: bool = False) -> List[TorchBatch]:
+  """``parts`` ``TorchBatch`` objects viewing consecutive row ranges of ``packed``.
+
+  Args:
+    packed: from ``Table.sample_packed(parts * B)``.
+    parts: number of batches to cut the rows into (B = rows / parts each).
+    device: torch device; None: the buffer's own (zero copy). Another device
+      costs one copy of the whole buffer (pinned and asynchronous with
+      ``non_blocking``), not one per field.
+    on_copy: "ignore" / "warn" / "raise" if the export itself copied.
+
+  Every tensor is a view of the exported buffer (``data_ptr`` inside it).
+  ``weights`` are None; the batches share ``num_eligible``.
+  """
+  if not isinstance(packed, PackedSample):
+    raise TypeError(f"packed_batches expects a funcreplay PackedSample (Table.sample_packed), "
+                    f"got {type(packed).__name__}.")
+  lay = packed.layout
+  rows = lay.batch_size
+  if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or rows % parts:
+    raise ValueError(f"packed_batches: parts must be an int >= 1 dividing the {rows} rows, "
+                     f"got {parts!r}.")
+  why = _unsupported(lay)
+  if why is not None:
+    raise TypeError(f"packed_batches: {why}; use sample_to_torch(Table.sample(...)).")
+  plan = _plan(lay, parts)
+  buf = packed.buffer
+  if buf.is_deleted():
+    raise ValueError("packed_batches: the buffer has been deleted (donated to a jitted call).")
+  buf.block_until_ready()  # async dispatch: XLA must have finished writing it
+  raw = torch.from_dlpack(buf)
+  copies = []
+  ptr = _jax_pointer(buf)
+  if ptr is not None and ptr != raw.data_ptr():
+    copies.append(("<buffer>", "DLPack export copied the buffer"))
+  _handle_copies(TransferReport(1, 1 - len(copies), tuple(copies)), on_copy, "packed_batches")
+  ne = lay.fields[-1]
+  # Read N before any device move (a host read of a GPU tensor would synchronise).
+  num_eligible = int(raw[ne.offset:ne.offset + 4].view(torch.int32)[0])
+  dev = _as_device(device)
+  if dev is not None and not _same_device(raw, dev):
+    raw = _move(raw, dev, non_blocking)
+  typed = [raw.view(td) for td in plan.dtypes]
+  nd = lay.num_data
+  out = []
+  for i in range(parts):
+    arrays = [typed[d].as_strided(shape, strides, start + i * n)
+              for d, shape, strides, start, n in plan.views]
+    info = TorchInfo(**dict(zip(_INFO_FIELDS, arrays[nd + 1:])))
+    out.append(TorchBatch(jax.tree_util.tree_unflatten(lay.treedef, arrays[:nd]), arrays[nd],
+                          info, None, num_eligible))
+  return out
+
+
+def packed_to_torch(packed: PackedSample, *, device=None, beta: Optional[float] = None,
+                    on_copy: OnCopy = "warn", non_blocking: bool = False) -> TorchBatch:
+  """A ``TorchBatch`` viewing a ``PackedSample`` (one DLPack export; see ``packed_batches``).
+
+  ``beta``: importance-weight exponent; None: ``weights`` is None.
+  """
+  (batch,) = packed_batches(packed, 1, device=device, on_copy=on_copy,
+                            non_blocking=non_blocking)
+  if beta is not None:
+    batch = dataclasses.replace(
+        batch, weights=_weights(batch.info.probability, batch.valid, batch.num_eligible, beta))
+  return batch
