@@ -11,9 +11,12 @@ Cases, each measured in the same process, round-robin over ``--repeats``
   (RandomSampler, with replacement);
 * ``uniform, prefetch 2``: both with two batches sampled ahead on a
   background thread (``TorchSampler(prefetch=2)`` / ``ReplayBuffer(prefetch=2)``);
-* ``uniform, 4 batches/call``: ``TorchSampler(batches_per_call=4)`` (one
-  table call of 1024 rows handed out as 4 batches; compared with TorchRL's
+* ``uniform, 4 / 8 batches/call``: ``TorchSampler(batches_per_call=k)`` (one
+  table call of k * 256 rows handed out as k batches; compared with TorchRL's
   ``uniform``);
+* ``uniform, per-array export``: ``sample_to_torch(Table.sample(256))``, one
+  DLPack export per array instead of the one of a packed sample (compared
+  with TorchRL's ``uniform``);
 * ``prioritized + write-back``: a ``Prioritized(0.6)`` table, importance
   weights (beta 0.4) and ``update_priorities`` with new priorities each
   batch vs TorchRL ``PrioritizedReplayBuffer`` (alpha 0.6, beta 0.4) +
@@ -104,10 +107,15 @@ def _ours(capacity: int, batch: int) -> Dict[str, _Case]:
   cases = {}
   uni = _fill_table(fr.Uniform(), capacity)
   for name, prefetch, k in (("uniform", 0, 1), ("uniform, prefetch 2", 2, 1),
-                            ("uniform, 4 batches/call", 0, 4)):
+                            ("uniform, 4 batches/call", 0, 4),
+                            ("uniform, 8 batches/call", 0, 8)):
     it = iter(frt.TorchSampler(uni, batch, prefetch=prefetch, batches_per_call=k,
                                on_copy="raise"))
     cases[name] = _Case(lambda it=it: _consume(next(it).data["obs"]), it.close)
+  # The same batch exported array by array (Table.sample + sample_to_torch), as the
+  # bridge did before packed samples: the difference is the per-array export cost.
+  cases["uniform, per-array export"] = _Case(
+      lambda: _consume(frt.sample_to_torch(uni.sample(batch), on_copy="raise").data["obs"]))
   # Diagnostic: the table call alone (JAX arrays, blocked on, no torch): the rest of the
   # "uniform" case's time is the bridge (export, weights, iterator).
   cases["Table.sample alone (no bridge)"] = _Case(
@@ -191,7 +199,8 @@ def measure(capacity: int, batch: int, steps: int, repeats: int) -> dict:
 
 _DIAGNOSTIC = ("Table.sample alone (no bridge)",)
 # Our cases without a TorchRL counterpart of their own compare with this one.
-_PEER_CASE = {"uniform, 4 batches/call": "uniform"}
+_PEER_CASE = {"uniform, 4 batches/call": "uniform", "uniform, 8 batches/call": "uniform",
+              "uniform, per-array export": "uniform"}
 
 
 def _rows(m: dict, batch: int) -> List[dict]:

@@ -287,6 +287,9 @@ class Table:
     # MinSize-style limiters (no upper window) never block inserts: the insert
     # needs no device->host sync and stays asynchronous.
     self._insert_never_blocks = math.isinf(spec.rate_limiter.max_diff)
+    # Device copies of the last version / min_valid passed to sample: a host
+    # scalar argument is a transfer per call (~5 us each on CPU).
+    self._scalars = {}
 
   # -- construction from a state (restore) ----------------------------------------
   @classmethod
@@ -512,8 +515,8 @@ class Table:
       min_valid = 1 if replace else batch_size
     limit = min(batch_size, spec.capacity) if not replace else spec.capacity
     min_valid = _check_int(min_valid, f"{what} min_valid", 0, limit)
-    ver = np.int32(_check_int(self._version if version is None else version,
-                              f"{what} version"))
+    ver = self._device_int("version", _check_int(self._version if version is None else version,
+                                                f"{what} version"))
     mask, cols = self._where(where, what)
     if packed:
       why = packing.packable(spec.signature)
@@ -524,7 +527,7 @@ class Table:
       while True:
         self._check_open("sample")
         self._state, self._rng, out, flags = self._ops.sample(
-            self._state, self._rng, ver, mask, cols, np.int32(min_valid),
+            self._state, self._rng, ver, mask, cols, self._device_int("min_valid", min_valid),
             batch_size=batch_size, replace=replace, packed=packed)
         ok, limiter_ok, cnt = (int(x) for x in np.asarray(flags))
         if ok:
@@ -544,6 +547,14 @@ class Table:
           why = "; and ".join(why)
           raise TimeoutError(f"{what}({batch_size}) timed out after {timeout} s: {why}, "
                              "or pass a larger timeout.")
+
+  def _device_int(self, name: str, value: int) -> jax.Array:
+    """int32[] on the device for ``value``, reused while ``name`` keeps that value."""
+    cached = self._scalars.get(name)  # (value, array); replaced whole, so thread-safe
+    if cached is None or cached[0] != value:
+      cached = (value, jax.device_put(np.int32(value)))
+      self._scalars[name] = cached
+    return cached[1]
 
   # -- other mutations --------------------------------------------------------------
   def update_priorities(self, slots, keys, priorities) -> None:

@@ -366,6 +366,12 @@ std::vector<int32_t> WeightedWithoutReplacement(Threefry& rng, const std::vector
   return out;
 }
 
+// Prefetch distances (candidates, rows): far enough ahead to keep many cache
+// misses in flight, near enough that the lines are still cached when used (a
+// whole large batch's rows would not fit in L2).
+constexpr size_t kMetaAhead = 64;
+constexpr int64_t kRowsAhead = 32;
+
 ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t batch_size,
                       int64_t capacity, bool replace, int64_t max_times_sampled,
                       bool has_version, bool has_where, bool ring,
@@ -509,24 +515,27 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
                        (!replace && want * 2 > num_eligible);
     int64_t budget = heavy ? 0 : 32 * b + 256;
     SlotSet seen(replace ? 1 : want);
-    // Draw the first candidates up front and prefetch their rows: the
-    // columns are far larger than the caches, so each candidate costs a few
-    // cache misses, which then overlap instead of running one after another.
+    // Draw the first candidates up front and prefetch their eligibility
+    // fields a window ahead: the columns are far larger than the caches, so
+    // each candidate costs a few cache misses, which then overlap instead of
+    // running one after another. (The rows are prefetched while copying.)
     std::vector<int32_t> first;
+    auto prefetch_meta = [&](size_t i) {
+      if (i >= first.size() || first[i] < 0) return;
+      const int32_t s = first[i];
+      __builtin_prefetch(occupied + s);
+      __builtin_prefetch(version + s);
+      __builtin_prefetch(times + s);
+      if (where != nullptr) __builtin_prefetch(where + s);
+    };
     if (budget > 0) {
       first.resize(static_cast<size_t>(want + want / 8 + 8));
       drawer.DrawMany(static_cast<int64_t>(first.size()), first.data());
-      for (int32_t s : first) {
-        if (s < 0) continue;
-        __builtin_prefetch(occupied + s);
-        __builtin_prefetch(version + s);
-        __builtin_prefetch(times + s);
-        if (where != nullptr) __builtin_prefetch(where + s);
-        for (size_t d = 0; d < n_data; ++d) __builtin_prefetch(src[d] + s * row_bytes[d]);
-      }
+      for (size_t i = 0; i < kMetaAhead; ++i) prefetch_meta(i);
     }
     size_t next = 0;
     while (static_cast<int64_t>(picked.size()) < want && budget-- > 0) {
+      prefetch_meta(next + kMetaAhead);
       const int64_t s = next < first.size() ? first[next++] : drawer.Draw();
       if (s < 0) {
         if (drawer.HasWeight()) continue;  // a float rounding miss: draw again
@@ -567,8 +576,18 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
 
   const float uniform_prob = 1.0f / static_cast<float>(std::max<int64_t>(num_eligible, 1));
   uint64_t stale_sum = 0;
+  auto prefetch_row = [&](int64_t i) {
+    if (i >= n) return;
+    const int32_t s = picked[i];
+    for (size_t d = 0; d < n_data; ++d) {
+      const char* row = src[d] + s * row_bytes[d];
+      for (size_t at = 0; at < row_bytes[d]; at += 64) __builtin_prefetch(row + at);
+    }
+  };
+  for (int64_t i = 0; i < kRowsAhead; ++i) prefetch_row(i);
   for (int64_t i = 0; i < b; ++i) {
     if (i < n) {
+      prefetch_row(i + kRowsAhead);
       const int32_t s = picked[i];
       out_valid[i] = true;
       out_slot[i] = s;
