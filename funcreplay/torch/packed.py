@@ -115,11 +115,10 @@ def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
     raise ValueError("packed_batches: the buffer has been deleted (donated to a jitted call).")
   buf.block_until_ready()  # async dispatch: XLA must have finished writing it
   raw = torch.from_dlpack(buf)
-  copies = []
   ptr = _jax_pointer(buf)
   if ptr is not None and ptr != raw.data_ptr():
-    copies.append(("<buffer>", "DLPack export copied the buffer"))
-  _handle_copies(TransferReport(1, 1 - len(copies), tuple(copies)), on_copy, "packed_batches")
+    _handle_copies(TransferReport(1, 0, (("<buffer>", "DLPack export copied the buffer"),)),
+                   on_copy, "packed_batches")
   ne = lay.fields[-1]
   # Read N before any device move (a host read of a GPU tensor would synchronise).
   num_eligible = int(raw[ne.offset:ne.offset + 4].view(torch.int32)[0])
@@ -128,10 +127,14 @@ def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
     raw = _move(raw, dev, non_blocking)
   typed = [raw.view(td) for td in plan.dtypes]
   nd = lay.num_data
+  if parts == 1:
+    per_part = [[typed[d].as_strided(shape, strides, start)
+                 for d, shape, strides, start, _ in plan.views]]
+  else:  # one [parts, B, ...] view per field, unbound into the parts
+    per_part = zip(*(typed[d].as_strided((parts,) + shape, (n,) + strides, start).unbind(0)
+                     for d, shape, strides, start, n in plan.views))
   out = []
-  for i in range(parts):
-    arrays = [typed[d].as_strided(shape, strides, start + i * n)
-              for d, shape, strides, start, n in plan.views]
+  for arrays in per_part:
     info = TorchInfo(**dict(zip(_INFO_FIELDS, arrays[nd + 1:])))
     out.append(TorchBatch(jax.tree_util.tree_unflatten(lay.treedef, arrays[:nd]), arrays[nd],
                           info, None, num_eligible))
