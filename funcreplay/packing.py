@@ -96,6 +96,8 @@ def packable(signature: Signature) -> Optional[str]:
   for name, leaf in zip(signature.names, signature.leaves):
     if jax.dtypes.itemsize_bits(leaf.dtype) % 8:
       return f"item leaf {name} has the sub-byte dtype {np.dtype(leaf.dtype).name}"
+    if np.dtype(leaf.dtype).kind == "c":  # bitcast_convert_type has no complex form
+      return f"item leaf {name} has the complex dtype {np.dtype(leaf.dtype).name}"
   return None
 
 
@@ -146,6 +148,17 @@ def pack(sample: Sample, lay: PackedLayout) -> jnp.ndarray:
   return out
 
 
+def check_buffer(buffer, lay: PackedLayout, what: str) -> None:
+  """ValueError unless ``buffer`` is ``uint8[lay.nbytes]`` (e.g. a vmapped or
+  scanned ``PackedSample`` holds one buffer per batch: index it first)."""
+  shape, dtype = tuple(buffer.shape), np.dtype(buffer.dtype)
+  if shape != (lay.nbytes,) or dtype != np.uint8:
+    extra = (f" (a stack of {shape[0]} packed batches? index one first)"
+             if len(shape) == 2 and shape[1] == lay.nbytes else "")
+    raise ValueError(f"{what}: expected a uint8[{lay.nbytes}] buffer for this layout, got "
+                     f"{dtype.name}{list(shape)}{extra}.")
+
+
 def _field_from_bytes(buffer: jnp.ndarray, f: PackedField) -> jnp.ndarray:
   raw = lax.slice(buffer, (f.offset,), (f.offset + f.nbytes,))
   if f.dtype == np.bool_:
@@ -158,9 +171,7 @@ def _field_from_bytes(buffer: jnp.ndarray, f: PackedField) -> jnp.ndarray:
 def unpack(buffer: jnp.ndarray, lay: PackedLayout) -> Sample:
   """The ``Sample`` stored in ``buffer`` (JAX arrays; traceable, copies each field)."""
   buffer = jnp.asarray(buffer)
-  if buffer.shape != (lay.nbytes,) or buffer.dtype != jnp.uint8:
-    raise ValueError(f"unpack: expected uint8[{lay.nbytes}], got {buffer.dtype}"
-                     f"{list(buffer.shape)}.")
+  check_buffer(buffer, lay, "unpack")
   arrays = [_field_from_bytes(buffer, f) for f in lay.fields]
   nd = lay.num_data
   info = SampleInfo(**{n: a for (n, _), a in zip(_INFO, arrays[nd + 1:nd + 1 + len(_INFO)])})
@@ -188,6 +199,7 @@ class PackedSample:
 
   def numpy(self) -> Sample:
     """The batch as a ``Sample`` of read-only numpy views of the buffer (zero copy on CPU)."""
+    check_buffer(self.buffer, self.layout, "PackedSample.numpy")
     raw = np.asarray(self.buffer)
     arrays = [raw[f.offset:f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
               for f in self.layout.fields]

@@ -283,11 +283,12 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
       writes it directly. Needs whole-byte item dtypes.
 
   Returns:
-    ``(state, Sample)``. The state has ``times_sampled`` incremented for every
-    returned row, items that reached ``max_times_sampled`` freed, and the
-    ``samples`` counter advanced by the number of valid rows. When fewer than
-    ``B`` items are eligible the remaining rows have ``valid=False``, slot -1
-    and zero data.
+    ``(state, Sample)`` (``(state, PackedSample)`` with ``packed``; a third
+    element, the next key, with ``split_key``). The state has
+    ``times_sampled`` incremented for every returned row, items that reached
+    ``max_times_sampled`` freed, and the ``samples`` counter advanced by the
+    number of valid rows. When fewer than ``B`` items are eligible the
+    remaining rows have ``valid=False``, slot -1 and zero data.
   """
   b = batch_size
   if not isinstance(b, int) or b < 1:

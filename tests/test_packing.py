@@ -44,6 +44,13 @@ def _assert_same_sample(a: fr.Sample, b: fr.Sample):
     np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
 
 
+def _assert_zero_padding(buf, lay: packing.PackedLayout):
+  raw, used = np.asarray(buf), np.zeros(lay.nbytes, bool)
+  for f in lay.fields:
+    used[f.offset:f.offset + f.nbytes] = True
+  assert not raw[~used].any()
+
+
 def _check_layout(lay: packing.PackedLayout):
   end = 0
   for f in lay.fields:
@@ -54,7 +61,7 @@ def _check_layout(lay: packing.PackedLayout):
 
 signatures = st.recursive(
     st.tuples(st.sampled_from(DTYPES),
-              st.lists(st.integers(1, 3), max_size=2)).map(
+              st.lists(st.integers(0, 3), max_size=2)).map(
         lambda t: jax.ShapeDtypeStruct(tuple(t[1]), np.dtype(t[0]))),
     lambda children: st.one_of(st.lists(children, min_size=1, max_size=3).map(tuple),
                                st.dictionaries(st.sampled_from("abcd"), children, min_size=1,
@@ -83,11 +90,7 @@ def test_pack_unpack_round_trip_is_bitwise_for_any_signature(sig, batch, seed):
   packed = fr.PackedSample(buf, lay)
   _assert_same_sample(smp, packed.unpack())
   _assert_same_sample(smp, packed.numpy())
-  # Padding between and after the fields is zero.
-  raw, used = np.asarray(buf), np.zeros(lay.nbytes, bool)
-  for f in lay.fields:
-    used[f.offset:f.offset + f.nbytes] = True
-  assert not raw[~used].any()
+  _assert_zero_padding(buf, lay)  # between and after the fields
 
 
 def test_sub_byte_items_cannot_be_packed_and_say_which_leaf():
@@ -141,6 +144,7 @@ def test_table_sample_packed_equals_sample_on_a_twin_table(kw):
     _check_layout(p.layout)
     _assert_same_sample(a, p.unpack())
     _assert_same_sample(a, p.numpy())
+    _assert_zero_padding(p.buffer, p.layout)  # the kernel zeroes the gaps it leaves
     assert plain.stats().to_dict() == packed.stats().to_dict()
 
 
@@ -185,10 +189,47 @@ def test_functional_sample_packed_under_jit_and_scan():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("replace", [False, True])
+def test_disabled_packed_sample_is_all_invalid_and_changes_nothing(replace):
+  spec = fr.TableSpec(32, {"x": np.zeros(3, np.float32), "e": np.zeros((0, 2), np.int16)},
+                      max_times_sampled=1)
+  t = fr.make_table(spec)
+  state = t.insert(t.init(), {"x": jnp.ones((20, 3)), "e": jnp.zeros((20, 0, 2), jnp.int16)},
+                   version=0)
+  fn = jax.jit(lambda s, k, on: t.sample(s, k, batch_size=8, replace=replace, enabled=on,
+                                         split_key=True, packed=True))
+  lay = packing.layout(spec.signature, 8)
+  for on in (False, True):
+    new, p, key = fn(state, jax.random.PRNGKey(3), on)
+    _, ref, ref_key = jax.jit(lambda s, k, on: t.sample(s, k, batch_size=8, replace=replace,
+                                                        enabled=on, split_key=True))(
+        state, jax.random.PRNGKey(3), on)
+    _assert_same_sample(ref, p.unpack())
+    _assert_zero_padding(p.buffer, lay)
+    np.testing.assert_array_equal(key, ref_key)
+    s = p.numpy()
+    assert s.valid.all() == on and int(s.num_eligible) == 20
+    if not on:
+      assert (s.info.slot == -1).all() and not s.data["x"].any()
+      np.testing.assert_array_equal(key, jax.random.PRNGKey(3))  # a disabled call keeps it
+      for a, b in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_complex_items_cannot_be_packed():
+  sig = fr.Signature({"z": jax.ShapeDtypeStruct((2,), jnp.complex64)})
+  assert "complex" in packing.packable(sig)
+
+
 def test_layout_rejects_wrong_buffers():
   lay = packing.layout(fr.Signature({"x": np.zeros(2, np.float32)}), 4)
-  with pytest.raises(ValueError, match=r"expected uint8\[%d\]" % lay.nbytes):
+  want = r"expected a uint8\[%d\] buffer for this layout, got uint8\[%d\]" % (
+      lay.nbytes, lay.nbytes + 64)
+  with pytest.raises(ValueError, match=want):
     packing.unpack(jnp.zeros((lay.nbytes + 64,), jnp.uint8), lay)
+  stacked = fr.PackedSample(jnp.zeros((3, lay.nbytes), jnp.uint8), lay)  # e.g. from vmap
+  with pytest.raises(ValueError, match=r"stack of 3 packed batches\? index one first"):
+    stacked.numpy()
   with pytest.raises(KeyError, match="no field"):
     lay.field("nope")
   assert lay.field("data['x']").shape == (4, 2)

@@ -332,6 +332,12 @@ def test_packed_batches_cut_one_call_into_row_ranges():
     frt.packed_batches(twin_a.sample_packed(12), 5)
   with pytest.raises(TypeError, match="expects a funcreplay PackedSample"):
     frt.packed_batches(whole)
+  one = twin_a.sample_packed(4)
+  stacked = fr.PackedSample(jnp.stack([one.buffer, one.buffer]), one.layout)  # as from vmap
+  with pytest.raises(ValueError, match=r"packed_batches: expected a uint8\[\d+\] buffer"):
+    frt.packed_batches(stacked)
+  with pytest.raises(ValueError, match="on_copy must be one of"):
+    frt.packed_batches(one, on_copy="bogus")
   twin_a.close()
   twin_b.close()
 

@@ -419,7 +419,19 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
   // (``packed`` = byte offsets of the n_data leaves, valid, the six info
   // columns, num_eligible, then the total size) all in one uint8 buffer
   // (funcreplay/packing.py's layout). packed = [-1]: separate arrays.
-  const bool is_packed = packed.size() == n_data + 9 && packed[0] >= 0;
+  const bool is_packed = !(packed.size() == 1 && packed[0] == -1);
+  if (is_packed) {  // the layout comes from funcreplay/packing.py; check it anyway
+    bool ok = packed.size() == n_data + 9;
+    for (size_t j = 1; ok && j < packed.size(); ++j) ok = packed[j] >= packed[j - 1];
+    auto buf = rets.get<ffi::AnyBuffer>(n_state);
+    ok = ok && packed[0] >= 0 && buf.has_value() &&
+         packed[n_data + 8] == static_cast<int64_t>((*buf)->size_bytes());
+    if (!ok) {
+      return ffi::Error::InvalidArgument(
+          "funcreplay_sample: the packed layout does not match the operands (expected "
+          "n_data + 9 increasing byte offsets ending with the output's size)");
+    }
+  }
   size_t o = n_state;
   std::vector<const char*> src(n_data);
   for (size_t d = 0; d < n_data; ++d) src[d] = Ptr<const char>(rets, kData - kFirstState + d);
@@ -584,10 +596,15 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
       for (size_t at = 0; at < row_bytes[d]; at += 64) __builtin_prefetch(row + at);
     }
   };
-  for (int64_t i = 0; i < kRowsAhead; ++i) prefetch_row(i);
+  // At most ~256 KB of rows in flight, whatever the item size.
+  size_t item_bytes = 0;
+  for (size_t d = 0; d < n_data; ++d) item_bytes += row_bytes[d];
+  const int64_t ahead = std::clamp<int64_t>(
+      static_cast<int64_t>((256 << 10) / std::max<size_t>(item_bytes, 1)), 1, kRowsAhead);
+  for (int64_t i = 0; i < ahead; ++i) prefetch_row(i);
   for (int64_t i = 0; i < b; ++i) {
     if (i < n) {
-      prefetch_row(i + kRowsAhead);
+      prefetch_row(i + ahead);
       const int32_t s = picked[i];
       out_valid[i] = true;
       out_slot[i] = s;

@@ -17,12 +17,13 @@ import jax
 import numpy as np
 import torch
 
-from funcreplay.packing import PackedLayout, PackedSample
+from funcreplay.packing import PackedLayout, PackedSample, check_buffer
 from funcreplay.torch.batches import TorchBatch, TorchInfo, _weights
 from funcreplay.torch.dlpack import (
   OnCopy,
   TransferReport,
   _as_device,
+  _check_on_copy,
   _handle_copies,
   _jax_pointer,
   _move,
@@ -101,7 +102,9 @@ def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
   if not isinstance(packed, PackedSample):
     raise TypeError(f"packed_batches expects a funcreplay PackedSample (Table.sample_packed), "
                     f"got {type(packed).__name__}.")
+  _check_on_copy(on_copy)
   lay = packed.layout
+  check_buffer(packed.buffer, lay, "packed_batches")
   rows = lay.batch_size
   if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or rows % parts:
     raise ValueError(f"packed_batches: parts must be an int >= 1 dividing the {rows} rows, "
@@ -120,11 +123,18 @@ def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
     _handle_copies(TransferReport(1, 0, (("<buffer>", "DLPack export copied the buffer"),)),
                    on_copy, "packed_batches")
   ne = lay.fields[-1]
-  # Read N before any device move (a host read of a GPU tensor would synchronise).
-  num_eligible = int(raw[ne.offset:ne.offset + 4].view(torch.int32)[0])
+
+  def read_num_eligible(t):  # one int32 at its offset (a device->host copy for GPU tensors)
+    return int(t[ne.offset:ne.offset + 4].view(torch.int32)[0])
+
+  exported = raw
+  num_eligible = read_num_eligible(raw) if raw.device.type == "cpu" else None
   dev = _as_device(device)
   if dev is not None and not _same_device(raw, dev):
     raw = _move(raw, dev, non_blocking)
+  if num_eligible is None:  # a GPU buffer: from its host copy once complete, else from it
+    done = raw.device.type == "cpu" and not non_blocking
+    num_eligible = read_num_eligible(raw if done else exported)
   typed = [raw.view(td) for td in plan.dtypes]
   nd = lay.num_data
   if parts == 1:
