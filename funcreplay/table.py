@@ -421,8 +421,9 @@ class Table:
             for k in spec.metadata}
     padded = jax.tree_util.tree_unflatten(spec.signature.treedef,
                                           [_pad_leaf(x, bk) for x in leaves])
-    # One host->device transfer, reused if the call has to wait and retry.
-    args = jax.device_put((padded, ver, prio, has_prio, meta))
+    # Host arrays go to the jitted call as they are: its C++ path transfers
+    # them in ~2 us each, where a jax.device_put of the tuple costs ~70 us.
+    args = (padded, ver, prio, has_prio, meta)
     n_real = np.int32(b)
     inserted = 0
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -707,7 +708,6 @@ class Table:
     return True
 
   def _mutate(self, what, fn, *args) -> None:
-    args = jax.device_put(args)
     with self._cond:
       self._check_open(what)
       self._state = fn(self._state, *args)
