@@ -16,6 +16,7 @@ test_inplace, test_table) also run against both implementations.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,7 +29,8 @@ from hypothesis import strategies as st
 from jax import lax
 
 import funcreplay as fr
-from funcreplay import indexes, native, ops, sampling
+from funcreplay import indexes, native, ops, packing, sampling
+from funcreplay.native import sample as native_sample
 from tests.helpers import ITEM, assert_trees_consistent, items_from_ids, require_native_kernels
 
 P_MIN = 1e-3  # chi-square: fixed seeds, a correct sampler fails this 0.1% of the time
@@ -400,3 +402,14 @@ def test_sub_byte_items_use_the_portable_path():
   _, out = jax.jit(lambda s, k: t.sample(s, k, batch_size=8))(st, jax.random.PRNGKey(0))
   np.testing.assert_array_equal(np.asarray(out.data["a"]).astype(np.int32),
                                 rows[np.asarray(out.info.slot)])
+
+
+def test_sample_kernel_refuses_a_packed_layout_that_does_not_match():
+  spec = fr.TableSpec(16, {"x": np.zeros(2, np.float32)})
+  t = fr.make_table(spec)
+  state = t.insert(t.init(), {"x": jnp.ones((4, 2))}, version=0)
+  lay = packing.layout(spec.signature, 4)
+  bad = dataclasses.replace(lay, fields=lay.fields[1:])  # one offset missing
+  with pytest.raises(Exception, match="packed layout does not match"):
+    jax.block_until_ready(native_sample.sample(spec, state, jax.random.PRNGKey(0), 4, None, None,
+                                               False, layout=bad))

@@ -234,18 +234,3 @@ def test_layout_rejects_wrong_buffers():
     lay.field("nope")
   assert lay.field("data['x']").shape == (4, 2)
 
-
-def test_native_kernel_refuses_a_layout_that_does_not_match(both_implementations):
-  if both_implementations != "native":
-    pytest.skip("a check inside the native kernel")
-  import dataclasses
-
-  from funcreplay.native import sample as native_sample
-  spec = fr.TableSpec(16, {"x": np.zeros(2, np.float32)})
-  t = fr.make_table(spec)
-  state = t.insert(t.init(), {"x": jnp.ones((4, 2))}, version=0)
-  lay = packing.layout(spec.signature, 4)
-  bad = dataclasses.replace(lay, fields=lay.fields[1:])  # one offset missing
-  with pytest.raises(Exception, match="packed layout does not match"):
-    jax.block_until_ready(native_sample.sample(spec, state, jax.random.PRNGKey(0), 4, None, None,
-                                               False, layout=bad))
