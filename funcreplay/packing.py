@@ -172,7 +172,11 @@ def unpack(buffer: jnp.ndarray, lay: PackedLayout) -> Sample:
   """The ``Sample`` stored in ``buffer`` (JAX arrays; traceable, copies each field)."""
   buffer = jnp.asarray(buffer)
   check_buffer(buffer, lay, "unpack")
-  arrays = [_field_from_bytes(buffer, f) for f in lay.fields]
+  return _as_sample([_field_from_bytes(buffer, f) for f in lay.fields], lay)
+
+
+def _as_sample(arrays, lay: PackedLayout) -> Sample:
+  """The ``Sample`` whose arrays, in layout order, are ``arrays``."""
   nd = lay.num_data
   info = SampleInfo(**{n: a for (n, _), a in zip(_INFO, arrays[nd + 1:nd + 1 + len(_INFO)])})
   return Sample(data=jax.tree_util.tree_unflatten(lay.treedef, arrays[:nd]),
@@ -201,12 +205,8 @@ class PackedSample:
     """The batch as a ``Sample`` of read-only numpy views of the buffer (zero copy on CPU)."""
     check_buffer(self.buffer, self.layout, "PackedSample.numpy")
     raw = np.asarray(self.buffer)
-    arrays = [raw[f.offset:f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
-              for f in self.layout.fields]
-    nd = self.layout.num_data
-    info = SampleInfo(**{n: a for (n, _), a in zip(_INFO, arrays[nd + 1:nd + 1 + len(_INFO)])})
-    return Sample(data=jax.tree_util.tree_unflatten(self.layout.treedef, arrays[:nd]),
-                  valid=arrays[nd], info=info, num_eligible=arrays[-1])
+    return _as_sample([raw[f.offset:f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
+                       for f in self.layout.fields], self.layout)
 
 
 _unpack_jit = jax.jit(unpack, static_argnums=1)

@@ -24,6 +24,7 @@ from funcreplay.torch.dlpack import (
   TransferReport,
   _as_device,
   _check_on_copy,
+  _dense_strides,
   _handle_copies,
   _jax_pointer,
   _move,
@@ -71,17 +72,9 @@ def _plan(lay: PackedLayout, parts: int) -> _Plan:
     if td not in dtypes:
       dtypes.append(td)
     shape = (b,) + f.shape[1:]
-    views.append((dtypes.index(td), shape, _contiguous_strides(shape),
+    views.append((dtypes.index(td), shape, _dense_strides(shape),
                   f.offset // f.dtype.itemsize, int(np.prod(shape, dtype=np.int64))))
   return _Plan(tuple(dtypes), tuple(views))
-
-
-def _contiguous_strides(shape) -> tuple:
-  strides, acc = [], 1
-  for n in reversed(shape):
-    strides.append(acc)
-    acc *= max(n, 1)
-  return tuple(reversed(strides))
 
 
 def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
