@@ -196,3 +196,26 @@ def test_async_rollouts_smoke_and_determinism(tmp_path):
   assert st["mean_reuse_at_eviction"] <= c.max_times_sampled
   # Failed groups are never trained on: they only leave by expiring.
   assert sum(v["failed"] for v in s1["inserted"].values()) > 0
+
+
+# --- bench_hugepages (a subprocess: it madvises its own buffers) -------------------------
+
+def test_bench_hugepages_smoke(tmp_path):
+  import json
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "hp.json"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "experiments", "bench_hugepages.py"),
+       "--capacity=20000", "--repeats=1", "--calls=3", f"--out={out}"],
+      capture_output=True, text=True, timeout=240, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  if "no transparent huge pages here" in proc.stdout:
+    assert not out.exists()
+    return
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["case"] for r in rows] == [
+      "uniform sample b256", "uniform sample b1024", "insert b256",
+      "prioritized sample+update b256", "prioritized sample+update b1024"]
+  assert all(r["small_pages_us"] > 0 and r["huge_pages_us"] > 0 for r in rows)
+  assert "table B still on huge pages: True" in proc.stdout
