@@ -14,7 +14,8 @@ Measurement only: the library does not collapse its buffers (BUILD.md,
 "Measured, not shipped: huge pages for the large buffers"). Every buffer
 is a donated state leaf updated in place, so B keeps its pages throughout
 (the script checks ``/proc/self/smaps`` and says so). Prints ``speed-up =
-A time / B time`` per case; on a machine without THP it says so and stops.
+A time / B time`` per case. Without THP, or when the collapse leaves B on
+4 KiB pages (Linux < 6.1), it says so and stops: there is nothing to compare.
 
   python experiments/bench_hugepages.py --capacity=1000000 --repeats=7
 """
@@ -85,6 +86,7 @@ def _collapse(state) -> int:
 
 
 def _on_huge_pages(state) -> bool:
+  """True if the middle of every leaf of >= 4 MiB (sure to hold an aligned 2 MiB page) is."""
   big = [x for x in jax.tree_util.tree_leaves(state) if x.nbytes >= 2 * HUGE]
   return all(_huge_kib(x.unsafe_buffer_pointer() + x.nbytes // 2) > 0 for x in big)
 
@@ -106,7 +108,11 @@ def _pair(spec, fill):
     jax.block_until_ready(s)
     if k == 1:
       n = _collapse(s)
-      print(f"collapsed {n} large buffers of table B; on huge pages: {_on_huge_pages(s)}")
+      on_huge = _on_huge_pages(s)
+      print(f"collapsed {n} large buffers of table B; on huge pages: {on_huge}")
+      if not on_huge:  # the A/B would compare 4 KiB pages with 4 KiB pages
+        raise SystemExit("MADV_COLLAPSE left table B on 4 KiB pages (Linux < 6.1, or no free "
+                         "huge pages): nothing to compare")
     states.append(s)
   return t, states
 
@@ -137,7 +143,7 @@ def main(argv):
     return
   c = _CAPACITY.value
   chunk = min(c, 50_000)
-  fill = [jax.device_put(bc.transitions(chunk, seed=1))] * (c // chunk)
+  fill = [jax.device_put(bc.transitions(chunk, seed=1))] * -(-c // chunk)  # every slot filled
   b256 = jax.device_put(bc.transitions(256, seed=2))
   rows = []
 
