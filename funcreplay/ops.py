@@ -170,20 +170,19 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     n_real = jnp.sum(mask.astype(jnp.int32))
 
   def portable(state):
-    return _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_real, rng)
+    state = _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_real, rng)
+    c = dict(state.counters)
+    c["invalid_priorities"] = ctr.add(c["invalid_priorities"], n_bad)
+    max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(mask, prios, 0.0)))
+    return state.replace(counters=c, max_priority=max_p)
 
   if native and native_lib.supports_insert(spec) and native_lib.available():
     from funcreplay.native import insert as native_insert
-    state = lax.platform_dependent(
+    return lax.platform_dependent(
         state, cpu=lambda st: native_insert.insert(spec, st, items, mask, versions, prios,
-                                                   meta_rows, n_real),
+                                                   meta_rows, n_bad),
         default=portable)
-  else:
-    state = portable(state)
-  c = dict(state.counters)
-  c["invalid_priorities"] = ctr.add(c["invalid_priorities"], n_bad)
-  max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(mask, prios, 0.0)))
-  return state.replace(counters=c, max_priority=max_p)
+  return portable(state)
 
 
 def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_real, rng):

@@ -30,6 +30,7 @@ from jax import lax
 
 import funcreplay as fr
 from funcreplay import indexes, native, ops, packing, sampling
+from funcreplay import state as state_lib
 from funcreplay.native import sample as native_sample
 from tests.helpers import ITEM, assert_trees_consistent, items_from_ids, require_native_kernels
 
@@ -100,7 +101,9 @@ GRID = [g if len(g) == 8 else g + (None,) for g in GRID]
 def test_state_and_outputs_match_portable_bookkeeping(cap, filled, b, replace, mts, masks,
                                                       holes, alpha):
   sampler = fr.Uniform() if alpha is None else fr.Prioritized(alpha)
-  spec = fr.TableSpec(cap, ITEM, sampler=sampler, max_times_sampled=mts, max_staleness=2)
+  # A samples-per-insert ratio of 5/2: the kernel keeps the limiter's diff too.
+  spec = fr.TableSpec(cap, ITEM, sampler=sampler, max_times_sampled=mts, max_staleness=2,
+                      rate_limiter=fr.SampleToInsertRatio(2.5, 1, (-1e6, 1e6)))
   t = _table(spec, use_native=False)
   st = t.init()
   ins = jax.jit(t.insert)
@@ -145,10 +148,7 @@ def test_state_and_outputs_match_portable_bookkeeping(cap, filled, b, replace, m
       return sampling._finish(spec, s, picked, prob, n_elig, ver, replace)  # noqa: SLF001
 
     ref_state, ref_out = jax.jit(expected)(st, picked)
-    for path, a, e in zip(jax.tree_util.tree_leaves_with_path(new),
-                          jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(ref_state)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(e),
-                                    err_msg=f"state{jax.tree_util.keystr(path[0])}")
+    assert_states_equal(new, ref_state, "state")
     for path, a, e in zip(jax.tree_util.tree_leaves_with_path(out),
                           jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref_out)):
       name = f"sample{jax.tree_util.keystr(path[0])}"
@@ -173,6 +173,16 @@ def test_state_and_outputs_match_portable_bookkeeping(cap, filled, b, replace, m
       assert len(sl) == (b if n_elig else 0)
     assert_trees_consistent(spec, new)
     st = new
+
+
+def assert_states_equal(a, b, what):
+  """Leaf for leaf, bit for bit; the ledger unpacked, so a failure names the counter."""
+  la = jax.tree_util.tree_leaves_with_path(state_lib.to_record(a))
+  lb = jax.tree_util.tree_leaves(state_lib.to_record(b))
+  assert len(la) == len(lb)
+  for (path, x), y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
+                                  err_msg=f"{what}{jax.tree_util.keystr(path)}")
 
 
 def _inclusion(spec, state, n_draws, b, seed, **kw):
@@ -269,6 +279,8 @@ INSERT_SPECS = [  # every sampler, with and without staleness / metadata
                  max_times_sampled=2),
     fr.TableSpec(13, ITEM, sampler=fr.MinHeap(), max_staleness=0),
     fr.TableSpec(8, ITEM, sampler=fr.Lifo(), rate_limiter=fr.Queue(8)),
+    fr.TableSpec(16, ITEM, sampler=fr.Prioritized(0.6),
+                 rate_limiter=fr.SampleToInsertRatio(3.5, 4, (-1e6, 1e6))),
 ]
 
 
@@ -315,10 +327,7 @@ def test_insert_and_update_are_bit_identical_to_portable(spec_i, ops_):
     elif spec.max_staleness is not None:
       v = jnp.int32(rng.integers(0, 6))
       s_nat, s_por = nat["evict"](s_nat, v), por["evict"](s_por, v)
-    for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(s_nat),
-                            jax.tree_util.tree_leaves(s_por)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(e),
-                                    err_msg=f"{op}: state{jax.tree_util.keystr(path)}")
+    assert_states_equal(s_nat, s_por, f"{op}: state")
   assert_trees_consistent(spec, s_nat)
 
 
@@ -413,3 +422,31 @@ def test_sample_kernel_refuses_a_packed_layout_that_does_not_match():
   with pytest.raises(Exception, match="packed layout does not match"):
     jax.block_until_ready(native_sample.sample(spec, state, jax.random.PRNGKey(0), 4, None, None,
                                                False, layout=bad))
+
+
+def test_kernels_refuse_a_ledger_layout_that_does_not_fit(monkeypatch):
+  spec = fr.TableSpec(16, {"x": np.zeros(2, np.float32)}, sampler=fr.Prioritized(0.6))
+  t = fr.make_table(spec)
+  state = t.insert(t.init(), {"x": jnp.ones((4, 2))}, version=0)
+  calls = {
+      "funcreplay_fifo_insert": lambda s: t.insert(s, {"x": jnp.ones((2, 2))}, version=0),
+      "funcreplay_sample": lambda s: t.sample(s, jax.random.PRNGKey(0), batch_size=2)[0],
+      "funcreplay_update_priorities": lambda s: t.update_priorities(
+          s, jnp.array([0], jnp.int32), s.key[:1], jnp.ones((1,))),
+  }
+  good = native.ledger_attr(spec)
+  bad = good.copy()
+  bad[4] = state_lib.LEDGER_SIZE - 1  # the inserts counter's second word off the end
+  for kernel, call in calls.items():
+    with monkeypatch.context() as m:
+      m.setattr(native, "ledger_attr", lambda _: bad)
+      with pytest.raises(Exception, match=f"{kernel}: the ledger layout does not fit"):
+        jax.block_until_ready(jax.jit(lambda s, call=call: call(s))(state))
+    jax.block_until_ready(jax.jit(lambda s, call=call: call(s))(state))  # the real layout runs
+
+
+def test_a_ledger_of_the_wrong_size_is_named():
+  t = fr.make_table(fr.TableSpec(4, ITEM))
+  short = t.init().replace(ledger=jnp.zeros((5,), jnp.uint32))
+  with pytest.raises(ValueError, match=r"state.ledger has shape \[5\]"):
+    jax.jit(lambda s: t.insert(s, items_from_ids(np.arange(2)), version=0))(short)

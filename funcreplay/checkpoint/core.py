@@ -63,7 +63,8 @@ def _leaf_name(path) -> str:
 def _expected(spec: TableSpec, num_shards: Optional[int]) -> Tuple[Any, Tuple[Any, ...]]:
   """``(treedef, ((leaf name, shape, np.dtype), ...))`` of a state of ``spec``."""
   local = spec if num_shards is None else spec.replace(capacity=spec.capacity // num_shards)
-  shapes = jax.eval_shape(functools.partial(state_lib.init_state, local))
+  # On disk: the ledger unpacked (state_lib.StateRecord), one array per scalar/counter.
+  shapes = jax.eval_shape(lambda: state_lib.to_record(state_lib.init_state(local)))
   leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   lead = () if num_shards is None else (num_shards,)
   return treedef, tuple((_leaf_name(p), lead + tuple(s.shape), np.dtype(s.dtype))
@@ -85,7 +86,12 @@ def _num_shards(state: TableState, spec: TableSpec) -> Optional[int]:
 
 def _check_state(state: TableState, spec: TableSpec, num_shards: Optional[int]) -> None:
   treedef, expected = _expected(spec, num_shards)
-  got, got_def = jax.tree_util.tree_flatten_with_path(state)
+  lead = () if num_shards is None else (num_shards,)
+  want = lead + (state_lib.LEDGER_SIZE,)
+  if tuple(np.shape(state.ledger)) != want or np.dtype(state.ledger.dtype) != np.uint32:
+    raise ValueError(f"save: state.ledger is {np.dtype(state.ledger.dtype).name}"
+                     f"{list(np.shape(state.ledger))}, the spec needs uint32{list(want)}.")
+  got, got_def = jax.tree_util.tree_flatten_with_path(state_lib.to_record(state))
   if got_def != treedef:
     raise ValueError(f"save: the state's structure does not match the spec.\n  expected: "
                      f"{treedef}\n  got:      {got_def}")
@@ -141,7 +147,7 @@ def save(path, state: TableState, spec: TableSpec, *, extra: Any = None,
     # return at once: synchronise (multihost_utils.sync_global_devices)
     # before reading the checkpoint elsewhere.
     return os.path.abspath(os.fspath(path))
-  leaves, _ = jax.tree_util.tree_flatten_with_path(host_np)
+  leaves, _ = jax.tree_util.tree_flatten_with_path(state_lib.to_record(host_np))
   arrays = [(_leaf_name(p), np.asarray(x)) for p, x in leaves]
   from funcreplay import __version__  # noqa: PLC0415 (avoid an import cycle)
   header = {
@@ -294,7 +300,7 @@ def restore(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bo
   treedef = _check_arrays(manifest, saved_spec, num_shards, mpath)
   arrays = _add_derived(fmt.read_arrays(path, manifest, verify=verify), manifest, saved_spec,
                         num_shards)
-  state = jax.tree_util.tree_unflatten(treedef, arrays)
+  state = state_lib.from_record(jax.tree_util.tree_unflatten(treedef, arrays))
   if spec.capacity != saved_spec.capacity:
     state = (migrate.grow(saved_spec, spec, state) if num_shards is None
              else migrate.grow_sharded(saved_spec, spec, state, num_shards))

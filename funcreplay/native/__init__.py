@@ -25,12 +25,15 @@ afterwards) or ``FUNCREPLAY_NATIVE=0`` (the whole process) opt out.
 from __future__ import annotations
 
 import jax
+import numpy as np
 
+from funcreplay import rate_limiters as rl
 from funcreplay import selectors as sel
+from funcreplay import state as state_lib
 from funcreplay.native.build import error, load
 from funcreplay.spec import TableSpec
 
-__all__ = ["available", "default", "error", "set_default", "supports_insert",
+__all__ = ["available", "default", "error", "ledger_attr", "set_default", "supports_insert",
            "supports_sample", "supports_update_priorities"]
 
 _default = [True]
@@ -74,3 +77,15 @@ def supports_sample(spec: TableSpec, stratified: bool) -> bool:
   ``Uniform``), not ``stratified``, whole-byte item dtypes."""
   return (isinstance(spec.sampler, (sel.Uniform, sel.Prioritized))
           and not spec.needs_remover_tree and not stratified and _byte_rows(spec))
+
+
+def ledger_attr(spec: TableSpec) -> np.ndarray:
+  """The kernels' ``ledger`` attribute: int64[13 + 3].
+
+  The word of each ledger entry (``state.ledger_words()``: the four scalars,
+  then the counters in ``state.COUNTERS`` order; ``LedgerEntry`` in
+  kernels.cc), then the rate limiter's ``[p, q, DIFF_LIMIT]`` for
+  ``rate_limiters.update_diff``.
+  """
+  p, q = spec.rate_limiter.ratio
+  return np.array([*state_lib.ledger_words(), p, q, rl.DIFF_LIMIT], np.int64)

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -151,6 +152,70 @@ VersionIndex OpenIndex(Rets& rets, size_t hist_at, size_t bounds_at) {
   return index;
 }
 
+// --- the ledger (funcreplay/state.py): the table's scalars and two-word
+// counters in one uint32 array. The attribute ``ledger`` gives the word of
+// each entry, in this order (state.ledger_layout()), then the rate
+// limiter's [p, q, diff limit] (rate_limiters.update_diff).
+enum LedgerEntry : size_t {
+  kLWritePos = 0, kLNextKey, kLMaxPriority, kLLimiterDiff,  // one word each
+  kLInserts, kLSamples, kLDeletes, kLEvictedCapacity, kLEvictedStale,  // two words each
+  kLEvictedReuse, kLRemovedReuse, kLStaleSum, kLInvalidPriorities,
+  kLNumEntries,
+};
+
+class Ledger {
+ public:
+  // False if ``layout`` does not fit a ledger of ``n`` words.
+  bool Open(uint32_t* words, int64_t n, ffi::Span<const int64_t> layout) {
+    if (layout.size() != kLNumEntries + 3) return false;
+    for (size_t e = 0; e < kLNumEntries; ++e) {
+      const int64_t width = e < kLInserts ? 1 : 2;
+      if (layout[e] < 0 || layout[e] + width > n) return false;
+    }
+    words_ = words;
+    layout_ = layout.begin();
+    return true;
+  }
+  uint32_t* Word(LedgerEntry e) const { return words_ + layout_[e]; }
+  int32_t GetInt(LedgerEntry e) const { return static_cast<int32_t>(*Word(e)); }
+  void SetInt(LedgerEntry e, int32_t v) { *Word(e) = static_cast<uint32_t>(v); }
+  float GetFloat(LedgerEntry e) const {
+    float f;
+    std::memcpy(&f, Word(e), sizeof f);
+    return f;
+  }
+  void SetFloat(LedgerEntry e, float f) { std::memcpy(Word(e), &f, sizeof f); }
+  void Count(LedgerEntry e, uint64_t n) { CounterAdd(Word(e), n); }
+  // limiter_diff += p * inserted - q * sampled in wrapping int32, clipped to
+  // +-limit: rate_limiters.update_diff bit for bit.
+  void UpdateLimiter(int64_t inserted, int64_t sampled) {
+    const uint32_t p = static_cast<uint32_t>(layout_[kLNumEntries]);
+    const uint32_t q = static_cast<uint32_t>(layout_[kLNumEntries + 1]);
+    const int32_t limit = static_cast<int32_t>(layout_[kLNumEntries + 2]);
+    const int32_t d = Wrap(static_cast<uint32_t>(GetInt(kLLimiterDiff)) +
+                           p * static_cast<uint32_t>(inserted) -
+                           q * static_cast<uint32_t>(sampled));
+    SetInt(kLLimiterDiff, std::min(std::max(d, -limit), limit));
+  }
+
+ private:
+  uint32_t* words_ = nullptr;
+  const int64_t* layout_ = nullptr;
+};
+
+template <typename Rets>
+bool OpenLedger(Rets& rets, size_t at, ffi::Span<const int64_t> layout, Ledger* ledger) {
+  auto buf = rets.template get<ffi::AnyBuffer>(at).value();
+  return ledger->Open(static_cast<uint32_t*>(buf->untyped_data()),
+                      static_cast<int64_t>(buf->element_count()), layout);
+}
+
+ffi::Error LedgerMismatch(const char* kernel) {
+  return ffi::Error::InvalidArgument(
+      std::string(kernel) + ": the ledger layout does not fit the ledger operand "
+      "(state.ledger_layout() and kernels.cc disagree; rebuild the native kernels)");
+}
+
 // --- a small open-addressing set of slots (without-replacement dedup) ---
 
 class SlotSet {
@@ -222,15 +287,10 @@ enum Arg : size_t {
   kPriority,      // float32[C]       (R4)
   kOccTree,       // int32[2P]        (R5)
   kWeightTree,    // float32[2P] (prioritized) or float32[0]  (R6)
-  kWritePos,      // int32[]          (R7)
-  kInserts,       // uint32[2]        (R8)
-  kSamples,       // uint32[2]        (R9)
-  kStaleSum,      // uint32[2]        (R10)
-  kEvictedReuse,  // uint32[2]        (R11)
-  kRemovedReuse,  // uint32[2]        (R12)
-  kHist,          // int32[V]         (R13) staleness version index
-  kBounds,        // int32[3]         (R14)
-  kData,          // data leaves [C, ...] (R15 ...)
+  kLedger,        // uint32[L]        (R7) scalars and counters
+  kHist,          // int32[V]         (R8) staleness version index
+  kBounds,        // int32[3]         (R9)
+  kData,          // data leaves [C, ...] (R10 ...)
 };
 constexpr size_t kFirstState = kOccupied;
 
@@ -375,7 +435,7 @@ constexpr int64_t kRowsAhead = 32;
 ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t batch_size,
                       int64_t capacity, bool replace, int64_t max_times_sampled,
                       bool has_version, bool has_where, bool ring,
-                      ffi::Span<const int64_t> packed) {
+                      ffi::Span<const int64_t> packed, ffi::Span<const int64_t> ledger_layout) {
   const int64_t b = batch_size;
   const int64_t c = capacity;
   const size_t n_data = args.size() - kData;
@@ -412,8 +472,12 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
   auto wt_buf = rets.get<ffi::AnyBuffer>(kWeightTree - kFirstState).value();
   float* wtree = wt_buf->element_count() > 0 ? static_cast<float*>(wt_buf->untyped_data())
                                              : nullptr;
-  const int32_t write_pos = *Ptr<int32_t>(rets, kWritePos - kFirstState);
-  const uint32_t* inserts = Ptr<uint32_t>(rets, kInserts - kFirstState);
+  Ledger ledger;
+  if (!OpenLedger(rets, kLedger - kFirstState, ledger_layout, &ledger)) {
+    return LedgerMismatch("funcreplay_sample");
+  }
+  const int32_t write_pos = ledger.GetInt(kLWritePos);
+  const uint32_t* inserts = ledger.Word(kLInserts);
 
   // Outputs after the state: the rows and info columns as separate arrays, or
   // (``packed`` = byte offsets of the n_data leaves, valid, the six info
@@ -632,8 +696,9 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
     }
   }
   *out_n = static_cast<int32_t>(n);
-  CounterAdd(Ptr<uint32_t>(rets, kSamples - kFirstState), static_cast<uint64_t>(n));
-  if (has_version) CounterAdd(Ptr<uint32_t>(rets, kStaleSum - kFirstState), stale_sum);
+  ledger.Count(kLSamples, static_cast<uint64_t>(n));
+  if (has_version) ledger.Count(kLStaleSum, stale_sum);
+  ledger.UpdateLimiter(0, n);
 
   if (max_times_sampled > 0 && enabled) {  // disabled: the state stays untouched
     // Free items that reached max_times_sampled, once per slot (with
@@ -657,8 +722,8 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
       reuse_sum += static_cast<uint64_t>(static_cast<uint32_t>(times[s]));
     }
     if (wtree != nullptr) RecomputeSumMany(wtree, std::move(freed));
-    CounterAdd(Ptr<uint32_t>(rets, kEvictedReuse - kFirstState), n_freed);
-    CounterAdd(Ptr<uint32_t>(rets, kRemovedReuse - kFirstState), reuse_sum);
+    ledger.Count(kLEvictedReuse, n_freed);
+    ledger.Count(kLRemovedReuse, reuse_sum);
     VersionIndex index = OpenIndex(rets, kHist - kFirstState, kBounds - kFirstState);
     index.Shift(out_version, exhausted.data(), b, -1);
   }
@@ -669,19 +734,21 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
 //   mask bool[B], version int32[B], priority float32[B], weight float32[B]
 //   (priority**alpha for a prioritized sampler, else float32[0]),
 //   n_meta metadata rows int32[B], n_data item leaves [B, ...];
+//   n_bad uint32[] (invalid priorities among the rows, counted here);
 //   state: occupied, key, version, times_sampled, priority, occ_tree,
-//   weight_tree (float32[0] unless prioritized), write_pos, next_key,
-//   counters inserts, evicted_capacity, removed_reuse_sum, version_hist,
+//   weight_tree (float32[0] unless prioritized), ledger, version_hist,
 //   version_bounds, n_meta metadata columns, n_data data leaves.
+// Besides the rows, the kernel keeps the ledger as ops.insert does: ring
+// position, next key, counters, max_priority and the rate limiter's diff.
 enum InsertState : size_t {
   kIOccupied = 0, kIKeys, kIVersion, kITimes, kIPriority, kIOccTree, kIWeightTree,
-  kIWritePos, kINextKey, kIInserts, kIEvictedCapacity, kIRemovedReuse, kIHist, kIBounds,
-  kIFixed,
+  kILedger, kIHist, kIBounds, kIFixed,
 };
 
 
 ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t capacity,
-                          int64_t n_meta, int64_t n_data) {
+                          int64_t n_meta, int64_t n_data,
+                          ffi::Span<const int64_t> ledger_layout) {
   const int64_t c = capacity;
   const bool* mask = Ptr<bool>(args, 0);
   auto ver_buf = args.get<ffi::AnyBuffer>(1).value();
@@ -691,10 +758,11 @@ ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int6
   auto w_buf = args.get<ffi::AnyBuffer>(3).value();
   const float* in_weight =
       w_buf.element_count() > 0 ? static_cast<const float*>(w_buf.untyped_data()) : nullptr;
+  const uint32_t n_bad = *Ptr<uint32_t>(args, 4);
   std::vector<const int32_t*> in_meta(n_meta);
-  for (int64_t m = 0; m < n_meta; ++m) in_meta[m] = Ptr<int32_t>(args, 4 + m);
+  for (int64_t m = 0; m < n_meta; ++m) in_meta[m] = Ptr<int32_t>(args, 5 + m);
   std::vector<const char*> in_data(n_data);
-  for (int64_t d = 0; d < n_data; ++d) in_data[d] = Ptr<const char>(args, 4 + n_meta + d);
+  for (int64_t d = 0; d < n_data; ++d) in_data[d] = Ptr<const char>(args, 5 + n_meta + d);
 
   bool* occupied = Ptr<bool>(rets, kIOccupied);
   uint32_t* keys = Ptr<uint32_t>(rets, kIKeys);
@@ -707,8 +775,10 @@ ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int6
   auto wt_buf = rets.get<ffi::AnyBuffer>(kIWeightTree).value();
   float* wtree = wt_buf->element_count() > 0 ? static_cast<float*>(wt_buf->untyped_data())
                                              : nullptr;
-  int32_t* write_pos = Ptr<int32_t>(rets, kIWritePos);
-  uint32_t* next_key = Ptr<uint32_t>(rets, kINextKey);
+  Ledger ledger;
+  if (!OpenLedger(rets, kILedger, ledger_layout, &ledger)) {
+    return LedgerMismatch("funcreplay_fifo_insert");
+  }
   std::vector<int32_t*> meta(n_meta);
   for (int64_t m = 0; m < n_meta; ++m) meta[m] = Ptr<int32_t>(rets, kIFixed + m);
   std::vector<char*> data(n_data);
@@ -727,9 +797,10 @@ ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int6
 
   // Rows go in one at a time, in order, at the ring position: the oldest
   // written slot, overwritten whether it holds an item or a hole.
-  int64_t pos = *write_pos;
-  uint32_t key = *next_key;
+  int64_t pos = ledger.GetInt(kLWritePos);
+  uint32_t key = *ledger.Word(kLNextKey);
   uint64_t n_real = 0, n_victims = 0, reuse_sum = 0;
+  float largest = 0.0f;  // max over the real rows' priorities (as jnp.max(where(mask, p, 0)))
   for (int64_t i = 0; i < b; ++i) {
     if (!mask[i]) continue;
     const int64_t s = pos;
@@ -748,6 +819,7 @@ ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int6
     version[s] = in_version[i];
     times[s] = 0;
     priority[s] = in_priority[i];
+    largest = std::max(largest, in_priority[i]);
     for (int64_t m = 0; m < n_meta; ++m) meta[m][s] = in_meta[m][i];
     if (wtree != nullptr) {
       wtree[p + s] = in_weight[i];
@@ -774,23 +846,27 @@ ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int6
   // As the portable path: remove the overwritten items, then add the new ones.
   index.Shift(victim_version.data(), victim.data(), b, -1);
   index.Shift(in_version, mask, b, 1);
-  *write_pos = static_cast<int32_t>(pos);
-  *next_key = key;
-  CounterAdd(Ptr<uint32_t>(rets, kIInserts), n_real);
-  CounterAdd(Ptr<uint32_t>(rets, kIEvictedCapacity), n_victims);
-  CounterAdd(Ptr<uint32_t>(rets, kIRemovedReuse), reuse_sum);
+  ledger.SetInt(kLWritePos, static_cast<int32_t>(pos));
+  *ledger.Word(kLNextKey) = key;
+  ledger.Count(kLInserts, n_real);
+  ledger.Count(kLEvictedCapacity, n_victims);
+  ledger.Count(kLRemovedReuse, reuse_sum);
+  ledger.Count(kLInvalidPriorities, n_bad);
+  ledger.SetFloat(kLMaxPriority, std::max(ledger.GetFloat(kLMaxPriority), largest));
+  ledger.UpdateLimiter(static_cast<int64_t>(n_real), 0);
   return ffi::Error::Success();
 }
 
 // UpdatePriorities: operands slots int32[K], keys uint32[K], priorities
 // float32[K] (as given), weights float32[K] (priority**alpha of the sanitized
 // priorities, prioritized sampler) or float32[0]; then the state, aliased:
-// occupied, key, priority, weight_tree, max_priority, invalid_priorities.
+// occupied, key, priority, weight_tree, ledger (max_priority and the
+// invalid_priorities counter).
 // Applied only where the slot still holds the key; the last row for a slot
 // wins; negative / NaN / inf priorities are stored as 0 and counted (among
 // the winning rows), as ops.update_priorities.
 ffi::Error UpdatePrioritiesImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
-                                int64_t capacity) {
+                                int64_t capacity, ffi::Span<const int64_t> ledger_layout) {
   auto slots_buf = args.get<ffi::AnyBuffer>(0).value();
   const int64_t k = static_cast<int64_t>(slots_buf.element_count());
   const int32_t* slots = static_cast<const int32_t*>(slots_buf.untyped_data());
@@ -806,7 +882,10 @@ ffi::Error UpdatePrioritiesImpl(ffi::RemainingArgs args, ffi::RemainingRets rets
   float* wtree = wt_buf->element_count() > 0 ? static_cast<float*>(wt_buf->untyped_data())
                                              : nullptr;
   const int64_t p = static_cast<int64_t>(wt_buf->element_count()) / 2;
-  float* max_priority = Ptr<float>(rets, 4);
+  Ledger ledger;
+  if (!OpenLedger(rets, 4, ledger_layout, &ledger)) {
+    return LedgerMismatch("funcreplay_update_priorities");
+  }
 
   SlotSet done(k);
   std::vector<int64_t> changed;
@@ -827,8 +906,8 @@ ffi::Error UpdatePrioritiesImpl(ffi::RemainingArgs args, ffi::RemainingRets rets
     }
   }
   if (wtree != nullptr) RecomputeSumMany(wtree, std::move(changed));
-  *max_priority = std::max(*max_priority, largest);
-  CounterAdd(Ptr<uint32_t>(rets, 5), n_bad);
+  ledger.SetFloat(kLMaxPriority, std::max(ledger.GetFloat(kLMaxPriority), largest));
+  ledger.Count(kLInvalidPriorities, n_bad);
   return ffi::Error::Success();
 }
 
@@ -845,7 +924,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplaySample, SampleImpl,
                                   .Attr<bool>("has_version")
                                   .Attr<bool>("has_where")
                                   .Attr<bool>("ring")
-                                  .Attr<ffi::Span<const int64_t>>("packed"));
+                                  .Attr<ffi::Span<const int64_t>>("packed")
+                                  .Attr<ffi::Span<const int64_t>>("ledger"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayFifoInsert, FifoInsertImpl,
                               ffi::Ffi::Bind()
@@ -853,10 +933,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayFifoInsert, FifoInsertImpl,
                                   .RemainingRets()
                                   .Attr<int64_t>("capacity")
                                   .Attr<int64_t>("n_meta")
-                                  .Attr<int64_t>("n_data"));
+                                  .Attr<int64_t>("n_data")
+                                  .Attr<ffi::Span<const int64_t>>("ledger"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayUpdatePriorities, UpdatePrioritiesImpl,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<int64_t>("capacity"));
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<ffi::Span<const int64_t>>("ledger"));

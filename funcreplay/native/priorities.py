@@ -1,8 +1,8 @@
 """``update_priorities`` in one CPU kernel (``UpdatePrioritiesImpl``).
 
 For tables without an order tree (``Fifo`` / ``Uniform`` remover). The key
-guard, last-write-wins, sanitizing and the weight-tree refresh happen in the
-kernel; ``priority**alpha`` of the sanitized priorities is computed here with
+guard, last-write-wins, sanitizing, the weight-tree refresh and the ledger
+(``max_priority``, the ``invalid_priorities`` counter) happen in the kernel; ``priority**alpha`` of the sanitized priorities is computed here with
 the portable expression, so the tree matches the portable path bit for bit.
 """
 
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from funcreplay import indexes
+from funcreplay import native
 from funcreplay.spec import TableSpec
 from funcreplay.state import TableState
 
@@ -25,15 +26,13 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
     weights = indexes.sample_weight(spec, jnp.ones((k,), bool), clean)
   else:
     weights = jnp.zeros((0,), jnp.float32)
-  state_ops = [state.occupied, state.key, state.priority, state.weight_tree,
-               state.max_priority, state.counters["invalid_priorities"]]
+  state_ops = [state.occupied, state.key, state.priority, state.weight_tree, state.ledger]
   rows = [slots, keys, priorities, weights]
   call = jax.ffi.ffi_call(
       "funcreplay_update_priorities", [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops],
       vmap_method="sequential",
       input_output_aliases={len(rows) + i: i for i in range(len(state_ops))})
-  occupied, key, priority, weight_tree, max_priority, invalid = call(
-      *rows, *state_ops, capacity=spec.capacity)
+  occupied, key, priority, weight_tree, ledger = call(
+      *rows, *state_ops, capacity=spec.capacity, ledger=native.ledger_attr(spec))
   return state.replace(occupied=occupied, key=key, priority=priority, weight_tree=weight_tree,
-                       max_priority=max_priority,
-                       counters={**state.counters, "invalid_priorities": invalid})
+                       ledger=ledger)

@@ -14,13 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcreplay import indexes, ops, staleness
-from funcreplay import rate_limiters as rl
+from funcreplay import indexes, native, ops, staleness
 from funcreplay import selectors as sel
 from funcreplay.spec import TableSpec
 from funcreplay.state import Sample, SampleInfo, TableState
-
-_COUNTERS = ("inserts", "samples", "sampled_staleness_sum", "evicted_reuse", "removed_reuse_sum")
 
 
 def _typed(rng) -> bool:
@@ -67,9 +64,8 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
                       jnp.int32(1) if enabled is None else enabled.astype(jnp.int32)])
   data_leaves, data_def = jax.tree_util.tree_flatten(state.data)
   state_ops = [state.occupied, state.key, state.version, state.times_sampled, state.priority,
-               state.occ_tree, state.weight_tree, state.write_pos,
-               *[state.counters[k] for k in _COUNTERS],
-               state.version_hist, state.version_bounds, *data_leaves]
+               state.occ_tree, state.weight_tree, state.ledger, state.version_hist,
+               state.version_bounds, *data_leaves]
   key_words = _key_words(rng)
   operands = [key_words, params, jnp.asarray(total, jnp.float32),
               where if where is not None else jnp.zeros((0,), bool), *state_ops]
@@ -91,13 +87,11 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
              max_times_sampled=int(spec.max_times_sampled), has_version=has_version,
              has_where=where is not None,
              ring=isinstance(spec.sampler, sel.Uniform) and isinstance(spec.remover, sel.Fifo),
-             packed=offsets)
+             packed=offsets, ledger=native.ledger_attr(spec))
 
   n_state = len(state_ops)
-  (occupied, key, version, times, priority, occ_tree, weight_tree, write_pos), res_counters = (
-      res[:8], res[8:8 + len(_COUNTERS)])
-  hist, bounds = res[8 + len(_COUNTERS):10 + len(_COUNTERS)]
-  new_data = res[10 + len(_COUNTERS):n_state]
+  occupied, key, version, times, priority, occ_tree, weight_tree, ledger, hist, bounds = res[:10]
+  new_data = res[10:n_state]
   if layout is not None:
     out, n_valid, num_eligible, next_words = res[n_state:]
   else:
@@ -109,14 +103,10 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
     out = Sample(data=jax.tree_util.tree_unflatten(data_def, rows), valid=valid, info=info,
                  num_eligible=num_eligible)
 
-  counters = dict(state.counters)
-  counters.update(zip(_COUNTERS, res_counters))
   state = state.replace(
       data=jax.tree_util.tree_unflatten(data_def, new_data), occupied=occupied, key=key,
       version=version, times_sampled=times, priority=priority, occ_tree=occ_tree,
-      weight_tree=weight_tree,
-      write_pos=write_pos, counters=counters, version_hist=hist, version_bounds=bounds,
-      limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, sampled=n_valid))
+      weight_tree=weight_tree, ledger=ledger, version_hist=hist, version_bounds=bounds)
   next_key = next_words.reshape(jnp.shape(jax.random.key_data(rng)) if _typed(rng)
                                 else jnp.shape(rng)).astype(
       jnp.uint32 if _typed(rng) else jnp.asarray(rng).dtype)
