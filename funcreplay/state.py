@@ -34,8 +34,8 @@ COUNTERS = (
 
 
 # The ledger: the table's scalars and counters packed into one uint32 array.
-# Word i of ``LEDGER_FIELDS``'s scalars is the bit pattern of that scalar (the
-# dtype below); each counter takes two words ``[hi, lo]``.
+# Words 0-3 hold the bit patterns of ``LEDGER_SCALARS`` (each in the dtype
+# given below); then each of ``COUNTERS`` takes two words ``[hi, lo]``.
 LEDGER_SCALARS = (
     ("write_pos", jnp.int32),
     ("next_key", jnp.uint32),

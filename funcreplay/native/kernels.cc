@@ -154,7 +154,7 @@ VersionIndex OpenIndex(Rets& rets, size_t hist_at, size_t bounds_at) {
 
 // --- the ledger (funcreplay/state.py): the table's scalars and two-word
 // counters in one uint32 array. The attribute ``ledger`` gives the word of
-// each entry, in this order (state.ledger_layout()), then the rate
+// each entry, in this order (native.ledger_attr: state.ledger_words()), then the rate
 // limiter's [p, q, diff limit] (rate_limiters.update_diff).
 enum LedgerEntry : size_t {
   kLWritePos = 0, kLNextKey, kLMaxPriority, kLLimiterDiff,  // one word each
@@ -213,7 +213,7 @@ bool OpenLedger(Rets& rets, size_t at, ffi::Span<const int64_t> layout, Ledger* 
 ffi::Error LedgerMismatch(const char* kernel) {
   return ffi::Error::InvalidArgument(
       std::string(kernel) + ": the ledger layout does not fit the ledger operand "
-      "(state.ledger_layout() and kernels.cc disagree; rebuild the native kernels)");
+      "(native.ledger_attr and kernels.cc disagree; rebuild the native kernels)");
 }
 
 // --- a small open-addressing set of slots (without-replacement dedup) ---
