@@ -310,54 +310,54 @@ class Drawer {
   // n draws at once: the tree descents advance level by level over all of
   // them, prefetching the next level's nodes, so their cache misses overlap
   // (one descent is a chain of ~log2(C) dependent loads from a tree larger
-  // than the caches).
+  // than the caches). Each step is branch-free: its direction is a coin flip
+  // the branch predictor would miss half the time, ~20 times per draw.
   void DrawMany(int64_t n, int32_t* out) {
     if (wtree_ == nullptr && (ring_ || size_ <= 0)) {
       for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(Draw());
       return;
     }
     std::vector<int64_t> node(n, 1);
-    std::vector<float> target(wtree_ != nullptr ? n : 0);
-    std::vector<int64_t> k(wtree_ != nullptr ? 0 : n);
-    const float total = wtree_ != nullptr ? wtree_[1] : 0.0f;
-    if (wtree_ != nullptr && !(total > 0.0f)) {
-      for (int64_t i = 0; i < n; ++i) out[i] = -1;
+    if (wtree_ != nullptr) {
+      const float total = wtree_[1];
+      if (!(total > 0.0f)) {
+        for (int64_t i = 0; i < n; ++i) out[i] = -1;
+        return;
+      }
+      std::vector<float> target(n);
+      for (int64_t i = 0; i < n; ++i) target[i] = Uniform24() * total;
+      for (int64_t level = 1; level < p_; level <<= 1) {
+        for (int64_t i = 0; i < n; ++i) __builtin_prefetch(wtree_ + 2 * node[i]);
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t left = 2 * node[i];
+          const float lsum = wtree_[left], rsum = wtree_[left + 1];
+          // As DrawWeighted: right when past the left sum (and the right
+          // subtree has weight) or when the left subtree has none.
+          const uint32_t right = (static_cast<uint32_t>(target[i] >= lsum) &
+                                  static_cast<uint32_t>(rsum > 0.0f)) |
+                                 static_cast<uint32_t>(lsum <= 0.0f);
+          target[i] -= Select(right, lsum);
+          node[i] = left + right;
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        out[i] = wtree_[node[i]] > 0.0f ? static_cast<int32_t>(node[i] - p_) : -1;
+      }
       return;
     }
-    for (int64_t i = 0; i < n; ++i) {
-      if (wtree_ != nullptr) {
-        target[i] = Uniform24() * total;
-      } else {
-        k[i] = rng_->Below(size_);
-      }
-    }
+    std::vector<int64_t> k(n);
+    for (int64_t i = 0; i < n; ++i) k[i] = rng_->Below(size_);
     for (int64_t level = 1; level < p_; level <<= 1) {
-      for (int64_t i = 0; i < n; ++i) {
-        if (wtree_ != nullptr) {
-          __builtin_prefetch(wtree_ + 2 * node[i]);
-        } else {
-          __builtin_prefetch(tree_ + 2 * node[i]);
-        }
-      }
+      for (int64_t i = 0; i < n; ++i) __builtin_prefetch(tree_ + 2 * node[i]);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t left = 2 * node[i];
-        if (wtree_ != nullptr) {
-          const float lsum = wtree_[left], rsum = wtree_[left + 1];
-          const bool right = (target[i] >= lsum && rsum > 0.0f) || lsum <= 0.0f;
-          if (right) target[i] -= lsum;
-          node[i] = left + (right ? 1 : 0);
-        } else {
-          const int64_t lcount = tree_[left];
-          const bool right = k[i] >= lcount;
-          if (right) k[i] -= lcount;
-          node[i] = left + (right ? 1 : 0);
-        }
+        const int64_t lcount = tree_[left];
+        const int64_t right = k[i] >= lcount;
+        k[i] -= lcount & -right;
+        node[i] = left + right;
       }
     }
-    for (int64_t i = 0; i < n; ++i) {
-      const bool ok = wtree_ == nullptr || wtree_[node[i]] > 0.0f;
-      out[i] = ok ? static_cast<int32_t>(node[i] - p_) : -1;
-    }
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(node[i] - p_);
   }
 
   int64_t Draw() {
@@ -396,6 +396,15 @@ class Drawer {
     return wtree_[node] > 0.0f ? node - p_ : -1;
   }
 
+  // x when bit is 1, else +0.0f, without a branch (x - 0.0f is x exactly).
+  static float Select(uint32_t bit, float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    bits &= 0u - bit;
+    std::memcpy(&x, &bits, sizeof bits);
+    return x;
+  }
+
   // u in [0, 1) with 24 random bits, as a float32 uniform.
   float Uniform24() { return static_cast<float>(rng_->Next64() >> 40) * (1.0f / 16777216.0f); }
 
@@ -424,6 +433,18 @@ std::vector<int32_t> WeightedWithoutReplacement(Threefry& rng, const std::vector
   std::vector<int32_t> out(k);
   for (int64_t i = 0; i < k; ++i) out[i] = keyed[i].second;
   return out;
+}
+
+// memcpy of one row; the common scalar sizes inline as one load and store
+// instead of a library call each.
+inline void CopyRow(char* dst, const char* src, size_t n) {
+  switch (n) {
+    case 4: std::memcpy(dst, src, 4); break;
+    case 8: std::memcpy(dst, src, 8); break;
+    case 1: *dst = *src; break;
+    case 2: std::memcpy(dst, src, 2); break;
+    default: std::memcpy(dst, src, n);
+  }
 }
 
 // Prefetch distances (candidates, rows): far enough ahead to keep many cache
@@ -655,6 +676,10 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
   auto prefetch_row = [&](int64_t i) {
     if (i >= n) return;
     const int32_t s = picked[i];
+    // The info columns read below (version and times were prefetched with
+    // the candidates, the weight-tree leaf by the descent).
+    __builtin_prefetch(keys + s);
+    __builtin_prefetch(priority + s);
     for (size_t d = 0; d < n_data; ++d) {
       const char* row = src[d] + s * row_bytes[d];
       for (size_t at = 0; at < row_bytes[d]; at += 64) __builtin_prefetch(row + at);
@@ -678,7 +703,7 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
       out_times[i] = times[s];
       out_version[i] = version[s];
       for (size_t d = 0; d < n_data; ++d) {
-        std::memcpy(rows[d] + i * row_bytes[d], src[d] + s * row_bytes[d], row_bytes[d]);
+        CopyRow(rows[d] + i * row_bytes[d], src[d] + s * row_bytes[d], row_bytes[d]);
       }
       if (has_version) {
         // int32 arithmetic with wrap-around, as the portable path computes it.
