@@ -17,7 +17,9 @@ f32[64], action i32, reward f32, discount f32`` at capacity 1,000,000 (small:
   (ours fused in one jitted call) vs flashbax's prioritised item buffer
   (``device="cpu"`` path, sample + ``set_priorities`` in one jitted call),
   cpprb's ``PrioritizedReplayBuffer`` and TorchRL's prioritized buffer (all
-  with replacement; ours without, plus a ``with repl.`` case).
+  with replacement; ours without, plus a ``with repl.`` case). Each writes
+  back ``|reward| + 0.01`` of the batch it sampled, as a learner writes back
+  its TD errors; the jitted peers take their key from the step index.
 - ``lax.scan``: K training-loop steps inside one jitted ``lax.scan`` (the
   Anakin layout): insert a batch of transitions + sample a batch whose every
   leaf is read (as a learner would; reading only part of it lets XLA drop the
@@ -402,10 +404,12 @@ def _prioritized_group(sz: Sizes, peers, rows_out: list):
   for c in chunks:
     h.state = ins(h.state, c)
 
+  # Every peer writes back priorities computed from the batch it sampled
+  # (|reward| + 0.01, standing in for a learner's |TD error|), and every
+  # jitted peer gets a fresh key from the step index without splitting.
   def ours(s, i, b, replace):
-    k1, k2 = jax.random.split(jax.random.PRNGKey(i))
-    s, smp = t.sample(s, k1, batch_size=b, replace=replace)
-    new_p = jax.random.uniform(k2, (b,)) + 0.01
+    s, smp = t.sample(s, jax.random.PRNGKey(i), batch_size=b, replace=replace)
+    new_p = jnp.abs(smp.data["reward"]) + 0.01
     s = t.update_priorities(s, smp.info.slot, smp.info.key, new_p)
     return s, (smp.data, smp.info.probability)
 
@@ -430,10 +434,9 @@ def _prioritized_group(sz: Sizes, peers, rows_out: list):
     for b in sz.prio_batches:
       bb = mk(b)
 
-      def fb(s, i, bb=bb, b=b):
-        k1, k2 = jax.random.split(jax.random.PRNGKey(i))
-        smp = bb.sample(s, k1)
-        s = bb.set_priorities(s, smp.indices, jax.random.uniform(k2, (b,)) + 0.01)
+      def fb(s, i, bb=bb):
+        smp = bb.sample(s, jax.random.PRNGKey(i))
+        s = bb.set_priorities(s, smp.indices, jnp.abs(smp.experience["reward"]) + 0.01)
         return s, (smp.experience, smp.probabilities)
       runners[f"flashbax {b}"] = fh.runner(jax.jit(fb, donate_argnums=0), target_s=tgt)
 
@@ -442,11 +445,10 @@ def _prioritized_group(sz: Sizes, peers, rows_out: list):
     prb = cpprb.PrioritizedReplayBuffer(sz.capacity, _cpprb_env(), alpha=0.6)
     for _ in range(sz.capacity // sz.fill_chunk):
       prb.add(**host_chunk)
-    rng = np.random.default_rng(0)
 
     def cp(i, b):
       smp = prb.sample(b, beta=0.4)
-      prb.update_priorities(smp["indexes"], rng.random(b) + 0.01)
+      prb.update_priorities(smp["indexes"], np.abs(smp["reward"]).reshape(-1) + 0.01)
     for b in sz.prio_batches:
       runners[f"cpprb {b}"] = _host_runner(lambda i, b=b: cp(i, b), tgt)
 
@@ -466,7 +468,7 @@ def _prioritized_group(sz: Sizes, peers, rows_out: list):
 
       def tr(i, b):
         smp = prb_t.sample(b)
-        prb_t.update_priority(smp["index"], torch.rand(b) + 0.01)
+        prb_t.update_priority(smp["index"], smp["reward"].abs() + 0.01)
       for b in sz.prio_batches:
         runners[f"torchrl {b}"] = _host_runner(lambda i, b=b: tr(i, b), tgt)
 
