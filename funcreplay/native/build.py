@@ -1,10 +1,12 @@
-"""Compile ``kernels.cc`` once per (source, jaxlib) and register its FFI targets.
+"""Compile the native kernels once per (sources, jaxlib) and register their FFI targets.
 
-The shared library is built on first use with the system C++ compiler
-(``$CXX``, else ``c++``/``g++``) against the XLA FFI headers that ship with
-jaxlib (``jax.ffi.include_dir()``), and cached in
+One shared library holds ``kernels.cc`` (the XLA FFI handlers) and
+``direct.cc`` (the direct host entry points, ``funcreplay.native.direct``),
+which share ``common.h`` and ``sample_core.h``. It is built on first use with
+the system C++ compiler (``$CXX``, else ``c++``/``g++``) against the XLA FFI
+headers that ship with jaxlib (``jax.ffi.include_dir()``), and cached in
 ``$FUNCREPLAY_CACHE_DIR`` (default ``~/.cache/funcreplay``) under a name that
-hashes the source, the jaxlib version and the compiler command, so a changed
+hashes the sources, the jaxlib version and the compiler command, so a changed
 kernel or jaxlib rebuilds. Building takes ~3 s; concurrent processes (pytest
 workers) each build into a private temporary file and rename it into place.
 
@@ -27,7 +29,9 @@ from typing import Optional
 import jax
 import jaxlib
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cc")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_UNITS = [os.path.join(_HERE, name) for name in ("kernels.cc", "direct.cc")]
+_HEADERS = [os.path.join(_HERE, name) for name in ("common.h", "sample_core.h")]
 _TARGETS = {"funcreplay_sample": "FuncreplaySample",
             "funcreplay_fifo_insert": "FuncreplayFifoInsert",
             "funcreplay_update_priorities": "FuncreplayUpdatePriorities"}
@@ -53,8 +57,10 @@ def _build(cxx: str) -> str:
   include = jax.ffi.include_dir()
   flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-w",
            f"-I{include}"]
-  with open(_SOURCE, "rb") as f:
-    src = f.read()
+  src = b""
+  for path in _UNITS + _HEADERS:
+    with open(path, "rb") as f:
+      src += f.read()
   digest = hashlib.sha256(src + jaxlib.__version__.encode() + " ".join([cxx] + flags).encode())
   out_dir = _cache_dir()
   os.makedirs(out_dir, exist_ok=True)
@@ -64,7 +70,7 @@ def _build(cxx: str) -> str:
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
   os.close(fd)
   try:
-    proc = subprocess.run([cxx, *flags, _SOURCE, "-o", tmp], capture_output=True, text=True,
+    proc = subprocess.run([cxx, *flags, *_UNITS, "-o", tmp], capture_output=True, text=True,
                           timeout=300)
     if proc.returncode != 0:
       raise RuntimeError(f"{cxx} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -104,6 +110,11 @@ def load() -> bool:
 def disabled() -> bool:
   """True when ``FUNCREPLAY_NATIVE`` turns the kernels off for this process."""
   return os.environ.get("FUNCREPLAY_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def library() -> Optional[ctypes.CDLL]:
+  """The loaded shared library (None unless ``load()`` succeeded)."""
+  return _state["lib"] if load() else None
 
 
 def error() -> Optional[str]:
