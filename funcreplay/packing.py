@@ -74,6 +74,15 @@ class PackedLayout:
   fields: Tuple[PackedField, ...]
   nbytes: int
 
+  def __hash__(self) -> int:
+    # Cached: layouts key lru caches on every sample's path (funcreplay.torch),
+    # and hashing the fields anew costs microseconds.
+    h = self.__dict__.get("_hash")
+    if h is None:
+      h = hash((self.batch_size, self.treedef, self.fields, self.nbytes))
+      object.__setattr__(self, "_hash", h)
+    return h
+
   @property
   def num_data(self) -> int:
     return len(self.fields) - 2 - len(_INFO)
@@ -151,7 +160,7 @@ def pack(sample: Sample, lay: PackedLayout) -> jnp.ndarray:
 def check_buffer(buffer, lay: PackedLayout, what: str) -> None:
   """ValueError unless ``buffer`` is ``uint8[lay.nbytes]`` (e.g. a vmapped or
   scanned ``PackedSample`` holds one buffer per batch: index it first)."""
-  shape, dtype = tuple(buffer.shape), np.dtype(buffer.dtype)
+  shape, dtype = tuple(buffer.shape), np.dtype(str(buffer.dtype).removeprefix("torch."))
   if shape != (lay.nbytes,) or dtype != np.uint8:
     extra = (f" (a stack of {shape[0]} packed batches? index one first)"
              if len(shape) == 2 and shape[1] == lay.nbytes else "")
@@ -175,6 +184,13 @@ def unpack(buffer: jnp.ndarray, lay: PackedLayout) -> Sample:
   return _as_sample([_field_from_bytes(buffer, f) for f in lay.fields], lay)
 
 
+def _host_view(buffer):
+  """``buffer``, or the numpy view of a torch tensor (``Table.sample_packed(out=tensor)``)."""
+  if type(buffer).__module__.split(".")[0] == "torch":
+    return buffer.numpy()
+  return buffer
+
+
 def _as_sample(arrays, lay: PackedLayout) -> Sample:
   """The ``Sample`` whose arrays, in layout order, are ``arrays``."""
   nd = lay.num_data
@@ -190,21 +206,23 @@ class PackedSample:
   """A sampled batch as one buffer (``Table.sample_packed``).
 
   Attributes:
-    buffer: uint8[layout.nbytes], a fresh array (never part of the table state).
+    buffer: uint8[layout.nbytes]: a fresh JAX array (never part of the table
+      state), or the ``out`` buffer the caller passed to
+      ``Table.sample_packed`` (a numpy array or CPU torch tensor).
     layout: ``PackedLayout`` saying where each field lies.
   """
 
-  buffer: jax.Array
+  buffer: Any
   layout: PackedLayout
 
   def unpack(self) -> Sample:
     """The batch as a ``Sample`` of JAX arrays (copies)."""
-    return _unpack_jit(self.buffer, self.layout)
+    return _unpack_jit(_host_view(self.buffer), self.layout)
 
   def numpy(self) -> Sample:
     """The batch as a ``Sample`` of read-only numpy views of the buffer (zero copy on CPU)."""
     check_buffer(self.buffer, self.layout, "PackedSample.numpy")
-    raw = np.asarray(self.buffer)
+    raw = np.asarray(_host_view(self.buffer))
     return _as_sample([raw[f.offset:f.offset + f.nbytes].view(f.dtype).reshape(f.shape)
                        for f in self.layout.fields], self.layout)
 

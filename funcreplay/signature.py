@@ -22,7 +22,7 @@ def _leaf_names(tree) -> Tuple[str, ...]:
 class Signature:
   """Hashable description of one item: pytree structure + leaf shapes/dtypes."""
 
-  __slots__ = ("treedef", "leaves", "names")
+  __slots__ = ("treedef", "leaves", "names", "_cached_key", "_cached_hash")
 
   def __init__(self, tree: Any):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -48,6 +48,10 @@ class Signature:
     object.__setattr__(self, "treedef", treedef)
     object.__setattr__(self, "leaves", tuple(specs))
     object.__setattr__(self, "names", names)
+    # Computed once: signatures key lru caches (packing.layout, ...) on hot paths.
+    key = (treedef, tuple((s.shape, np.dtype(s.dtype).str) for s in specs))
+    object.__setattr__(self, "_cached_key", key)
+    object.__setattr__(self, "_cached_hash", hash(key))
 
   def __setattr__(self, *_):
     raise AttributeError("Signature is immutable")
@@ -62,13 +66,13 @@ class Signature:
     return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in self.leaves)
 
   def _key(self):
-    return (self.treedef, tuple((s.shape, np.dtype(s.dtype).str) for s in self.leaves))
+    return self._cached_key
 
   def __eq__(self, other):
-    return isinstance(other, Signature) and self._key() == other._key()
+    return other is self or (isinstance(other, Signature) and self._key() == other._key())
 
   def __hash__(self):
-    return hash(self._key())
+    return self._cached_hash
 
   def __repr__(self):
     parts = ", ".join(f"{n}: {np.dtype(s.dtype).name}{list(s.shape)}"

@@ -32,6 +32,7 @@ import numpy as np
 
 from funcreplay import inplace, ops, packing, sampling
 from funcreplay import native as native_lib
+from funcreplay.native import direct as direct_lib
 from funcreplay import selectors as sel
 from funcreplay import signature as sig_lib
 from funcreplay import state as state_lib
@@ -74,6 +75,7 @@ class _Ops:
 
   def __init__(self, spec: TableSpec, native: bool):
     self.spec = spec
+    self.native = native
     limiter = spec.rate_limiter
     uniform_remover = isinstance(spec.remover, sel.Uniform)
 
@@ -290,6 +292,13 @@ class Table:
     # Device copies of the last version / min_valid passed to sample: a host
     # scalar argument is a transfer per call (~5 us each on CPU).
     self._scalars = {}
+    self._uniform_remover = isinstance(spec.remover, sel.Uniform)
+    # Sampling in place into a caller's buffer (sample_packed(out=...)):
+    # a direct_lib.DirectSampler once checked (False: not possible here), and
+    # the outputs of read-only programs still possibly reading the state,
+    # which a direct sample must wait for before writing it.
+    self._direct = None
+    self._readers = []
 
   # -- construction from a state (restore) ----------------------------------------
   @classmethod
@@ -430,8 +439,10 @@ class Table:
     with self._cond:
       while True:
         self._check_open("insert", inserted=inserted)
-        self._state, self._rng, k = self._ops.insert(self._state, self._rng, *args,
-                                                     np.int32(inserted), n_real)
+        self._state, rng, k = self._ops.insert(self._state, self._rng, *args,
+                                               np.int32(inserted), n_real)
+        if self._uniform_remover:  # only its victims are drawn with the key
+          self._rng = rng
         if self._insert_never_blocks:
           self._cond.notify_all()
           return
@@ -483,7 +494,7 @@ class Table:
 
   def sample_packed(self, batch_size: int, *, version: Optional[int] = None,
                     where: Where = None, timeout: Optional[float] = None, replace: bool = False,
-                    min_valid: Optional[int] = None) -> packing.PackedSample:
+                    min_valid: Optional[int] = None, out=None) -> packing.PackedSample:
     """``sample``, returning the batch as one contiguous buffer (``fr.PackedSample``).
 
     Same arguments, semantics and random stream as ``sample`` (a table with
@@ -493,11 +504,84 @@ class Table:
     whole batch with one export (``funcreplay.torch`` does, then views each
     field), instead of one per array, which costs ~10 us each on a CPU.
     Items with sub-byte dtypes (int4, ...) cannot be packed (ValueError).
-    """
-    return self._sample("Table.sample_packed", batch_size, version, where, timeout, replace,
-                        min_valid, packed=True)
 
-  def _sample(self, what, batch_size, version, where, timeout, replace, min_valid, *, packed):
+    ``out``: a writable, C-contiguous ``uint8[N]`` numpy array or CPU torch
+    tensor (pinned or not; N = ``packing.layout(spec.signature,
+    batch_size).nbytes``) to write the batch into; the result's ``buffer`` is
+    then ``out`` itself. A CPU table using the
+    native kernels writes it in place, without a jitted call (no dispatch,
+    no XLA buffer to import: ``funcreplay.native.direct``), when ``where`` is
+    None (and the sampler is not prioritized with ``max_staleness``); the
+    draw, the state update and the key advance are those of the jitted path.
+    Otherwise the jitted sample runs and its buffer is copied into ``out``.
+    """
+    view = None
+    if out is not None:
+      view = self._check_out(out, batch_size, "Table.sample_packed")
+    return self._sample("Table.sample_packed", batch_size, version, where, timeout, replace,
+                        min_valid, packed=True, out=view, out_owner=out)
+
+  def _check_out(self, out, batch_size, what) -> np.ndarray:
+    """A numpy view of ``out`` if it is a writable C-contiguous uint8 buffer of the packed
+    size (a numpy array, or a CPU torch tensor, which ``numpy()`` views without a copy)."""
+    if not isinstance(out, np.ndarray):
+      if type(out).__module__.split(".")[0] != "torch" or not hasattr(out, "numpy"):
+        raise TypeError(f"{what}: out must be a numpy array or a CPU torch tensor of uint8, "
+                        f"got {type(out).__name__}.")
+      if out.device.type != "cpu" or out.requires_grad:
+        raise ValueError(f"{what}: a torch out must be a CPU tensor without requires_grad, got "
+                         f"one on {out.device} (requires_grad={out.requires_grad}).")
+      out = out.numpy()
+    why = packing.packable(self.spec.signature)
+    if why is not None:
+      raise ValueError(f"{what}: cannot pack this table's items: {why}. Use Table.sample.")
+    if isinstance(batch_size, (int, np.integer)) and not isinstance(batch_size, (bool, np.bool_)) \
+        and batch_size >= 1:
+      n = packing.layout(self.spec.signature, int(batch_size)).nbytes
+      if out.dtype != np.uint8 or out.shape != (n,):
+        raise ValueError(f"{what}: out must be uint8[{n}] for {int(batch_size)} rows of this "
+                         f"table, got {out.dtype.name}{list(out.shape)}.")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+      raise ValueError(f"{what}: out must be C-contiguous and writable.")
+    return out
+
+  @property
+  def samples_in_place(self) -> bool:
+    """True if ``sample_packed(..., out=buf)`` writes the batch straight into ``buf``
+    without a jitted call (a CPU table on the native kernels; ``where=None``;
+    ``funcreplay.native.direct``). Otherwise ``out`` receives a copy."""
+    with self._cond:
+      self._check_open("samples_in_place")
+      return self._direct_sampler() is not None
+
+  def _direct_sampler(self):
+    """The table's ``DirectSampler``, or None where the direct path does not apply."""
+    if self._direct is None:
+      why = direct_lib.unsupported(self.spec, self._ops.native)
+      if why is None and not direct_lib.on_cpu(self._state):
+        why = "the table's state is not on the CPU"
+      self._direct = False if why is not None else direct_lib.DirectSampler(
+          self.spec, native_lib.ledger_attr(self.spec))
+    return self._direct or None
+
+  def _settle(self, direct) -> None:
+    """Before a direct sample: no XLA program may still use the state; the key is numpy.
+    Lock held."""
+    if self._readers:
+      jax.block_until_ready(self._readers)
+      self._readers = []
+    direct.bind(self._state)
+    if not (isinstance(self._rng, np.ndarray) and self._rng.flags.writeable):
+      self._rng = np.array(self._rng, dtype=np.uint32)
+
+  def _reading(self, result):
+    """Note the output of a read-only program on the state (a direct sample waits for it)."""
+    if self._direct:
+      self._readers.append(result)
+    return result
+
+  def _sample(self, what, batch_size, version, where, timeout, replace, min_valid, *, packed,
+              out=None, out_owner=None):
     self._check_open("sample")
     spec = self.spec
     timeout = _check_timeout(timeout)
@@ -516,8 +600,7 @@ class Table:
       min_valid = 1 if replace else batch_size
     limit = min(batch_size, spec.capacity) if not replace else spec.capacity
     min_valid = _check_int(min_valid, f"{what} min_valid", 0, limit)
-    ver = self._device_int("version", _check_int(self._version if version is None else version,
-                                                f"{what} version"))
+    ver_int = _check_int(self._version if version is None else version, f"{what} version")
     mask, cols = self._where(where, what)
     if packed:
       why = packing.packable(spec.signature)
@@ -525,15 +608,28 @@ class Table:
         raise ValueError(f"{what}: cannot pack this table's items: {why}. Use Table.sample.")
     deadline = None if timeout is None else time.monotonic() + timeout
     with self._cond:
+      direct = self._direct_sampler() if out is not None and where is None else None
+      if direct is None:
+        ver = self._device_int("version", ver_int)
       while True:
         self._check_open("sample")
-        self._state, self._rng, out, flags = self._ops.sample(
-            self._state, self._rng, ver, mask, cols, self._device_int("min_valid", min_valid),
-            batch_size=batch_size, replace=replace, packed=packed)
-        ok, limiter_ok, cnt = (int(x) for x in np.asarray(flags))
+        if direct is not None:
+          self._settle(direct)
+          ok, limiter_ok, cnt = direct.sample(
+              self._rng, batch_size, replace, ver_int, min_valid,
+              out.ctypes.data if out_owner is out else out_owner.data_ptr())
+          result = packing.PackedSample(out_owner, direct.layout(batch_size))
+        else:
+          self._state, self._rng, result, flags = self._ops.sample(
+              self._state, self._rng, ver, mask, cols, self._device_int("min_valid", min_valid),
+              batch_size=batch_size, replace=replace, packed=packed)
+          ok, limiter_ok, cnt = (int(x) for x in np.asarray(flags))
+          if ok and out is not None:  # the jitted batch, copied into the caller's buffer
+            np.copyto(out, np.asarray(result.buffer))
+            result = packing.PackedSample(out_owner, result.layout)
         if ok:
           self._cond.notify_all()
-          return out
+          return result
         if not self._wait(deadline):
           why = []
           if not limiter_ok:
@@ -541,7 +637,7 @@ class Table:
                        f"(table size {int(self._state.size)}); insert more items")
           if cnt < min_valid:
             why.append(f"only {int(cnt)} eligible items (need min_valid={min_valid}"
-                       + (f"; max_staleness={spec.max_staleness} at version {int(ver)}"
+                       + (f"; max_staleness={spec.max_staleness} at version {ver_int}"
                           if spec.max_staleness is not None else "")
                        + ("; restricted by where" if where is not None else "")
                        + "); insert more (fresh) items or lower min_valid")
@@ -630,13 +726,13 @@ class Table:
     """``fr.Stats`` of fresh arrays (``.to_dict()`` gives Python numbers)."""
     with self._cond:
       self._check_open("stats")
-      return self._ops.stats(self._state)
+      return self._reading(self._ops.stats(self._state))
 
   def snapshot(self) -> TableState:
     """A consistent copy of the state, taken under the lock (for checkpoints)."""
     with self._cond:
       self._check_open("snapshot")
-      return self._ops.copy(self._state)
+      return self._reading(self._ops.copy(self._state))
 
   def checkpoint_state(self) -> tuple:
     """``(snapshot(), host_state())`` taken under one hold of the lock.
@@ -646,7 +742,7 @@ class Table:
     """
     with self._cond:
       self._check_open("checkpoint_state")
-      return self._ops.copy(self._state), dict(version=self._version,
+      return self._reading(self._ops.copy(self._state)), dict(version=self._version,
                                                rng=np.array(self._rng, dtype=np.uint32))
 
   def rng_key(self) -> jax.Array:
@@ -685,6 +781,8 @@ class Table:
         return
       self._closed = True
       self._state = None  # free the buffers; nothing may touch them any more
+      if self._direct:
+        self._direct.unbind()
       self._cond.notify_all()
 
   # -- internals ------------------------------------------------------------------------

@@ -11,6 +11,10 @@ same work in one call. It is used only where it applies and only on CPU:
   masks and ``max_times_sampled`` (not ``stratified``);
 * ``update_priorities`` with a ``Fifo`` or ``Uniform`` remover.
 
+A host ``Table`` on CPU can also run the sample kernel directly on its own
+buffers, without a jitted call (``Table.sample_packed(out=...)``;
+``funcreplay.native.direct``).
+
 Everything else, and every non-CPU backend (``lax.platform_dependent``),
 runs the portable JAX implementation. Semantics are identical: the same
 eligible items with the same probabilities, the same state updates; only

@@ -1,0 +1,284 @@
+"""Direct host sampling (``Table.sample_packed(out=...)``, ``funcreplay.native.direct``).
+
+A CPU table on the native kernels samples in place into the caller's buffer
+without a jitted call. It must be indistinguishable from the jitted path:
+the same bytes in the batch, the same blocking decisions (rate limiter,
+``min_valid``, staleness), the same state afterwards and the same key. The
+reference here is a second table with the same seed and history whose
+direct path is switched off, so it runs the jitted sample and copies into
+``out``.
+"""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import funcreplay as fr
+import funcreplay.torch as frt
+from funcreplay import packing
+from tests.helpers import require_native_kernels
+
+OBS = 3
+
+
+def _item():
+  return {"obs": np.zeros(OBS, np.float32), "a": np.zeros((), np.int32),
+          "flag": np.zeros((), np.bool_), "b": np.zeros((2,), np.uint8)}
+
+
+def _batch(n, start):
+  ids = np.arange(start, start + n)
+  return {"obs": np.stack([ids, -ids, ids * 0.5], -1).astype(np.float32),
+          "a": ids.astype(np.int32), "flag": ids % 3 == 0,
+          "b": np.stack([ids % 256, (ids * 7) % 256], -1).astype(np.uint8)}
+
+
+SPECS = {
+    "uniform ring": dict(sampler=fr.Uniform()),
+    "uniform, Uniform remover": dict(sampler=fr.Uniform(), remover=fr.Uniform()),
+    "prioritized": dict(sampler=fr.Prioritized(0.6)),
+    "staleness + reuse": dict(sampler=fr.Uniform(), max_staleness=2, max_times_sampled=2),
+    "prioritized + reuse": dict(sampler=fr.Prioritized(1.0), max_times_sampled=3),
+    "rate limited": dict(sampler=fr.Uniform(),
+                         rate_limiter=fr.SampleToInsertRatio(2.0, 4, 6.0)),
+}
+
+
+def _tables(name, capacity=16, seed=3):
+  require_native_kernels()
+  spec = fr.TableSpec(capacity, _item(), **SPECS[name])
+  direct, ref = fr.Table(spec, seed=seed), fr.Table(spec, seed=seed)
+  assert direct.samples_in_place, name
+  ref._direct = False  # the jitted path (then a copy into out)  # noqa: SLF001
+  return direct, ref
+
+
+def _out(table, rows):
+  return np.full(packing.layout(table.spec.signature, rows).nbytes, 0xAB, np.uint8)
+
+
+def _assert_same_state(a, b):
+  for x, y in zip(jax.tree_util.tree_leaves(a.snapshot()),
+                  jax.tree_util.tree_leaves(b.snapshot())):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+  np.testing.assert_array_equal(a.host_state()["rng"], b.host_state()["rng"])
+
+
+def _sample_both(direct, ref, rows, **kw):
+  """Sample both tables; both raise TimeoutError or neither, with the same bytes."""
+  outs, errors = [], []
+  for t in (direct, ref):
+    out = _out(t, rows)
+    try:
+      got = t.sample_packed(rows, timeout=0, out=out, **kw)
+      assert got.buffer is out
+      errors.append(None)
+    except TimeoutError as e:
+      errors.append(str(e))
+    outs.append(out)
+  assert errors[0] == errors[1]
+  if errors[0] is None:
+    np.testing.assert_array_equal(outs[0], outs[1])
+  return errors[0] is None
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["insert", "sample", "replace", "version", "prio",
+                                          "snapshot"]),
+                         st.integers(1, 12), st.integers(0, 5)), min_size=1, max_size=30)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@settings(max_examples=15)
+@given(ops=OPS)
+def test_direct_matches_jitted_path(name, ops):
+  direct, ref = _tables(name)
+  inserted, sampled = 0, 0
+  version = 0
+  for op, n, m in ops:
+    if op == "insert":
+      for t in (direct, ref):
+        try:
+          t.insert(_batch(n, inserted), version=version - m % 3, priority=0.5 + m, timeout=0)
+        except TimeoutError as e:
+          assert e.inserted >= 0
+      inserted += n
+    elif op in ("sample", "replace"):
+      sampled += _sample_both(direct, ref, n, replace=op == "replace",
+                              min_valid=min(m, n) if op == "sample" else 1)
+    elif op == "version":
+      version += m
+      direct.set_version(version)
+      ref.set_version(version)
+    elif op == "prio" and direct.spec.prioritized and direct.size:
+      out = _out(direct, 4)
+      smp = direct.sample_packed(4, out=out, min_valid=1, timeout=0).numpy()
+      ref_smp = ref.sample_packed(4, out=_out(ref, 4), min_valid=1, timeout=0).numpy()
+      np.testing.assert_array_equal(smp.info.slot, ref_smp.info.slot)
+      new = np.arange(4, dtype=np.float32) * m
+      direct.update_priorities(smp.info.slot, smp.info.key, new)
+      ref.update_priorities(ref_smp.info.slot, ref_smp.info.key, new)
+    elif op == "snapshot":  # a pending read of the state, then direct writes
+      before = ref.snapshot()
+      snap = direct.snapshot()
+      _sample_both(direct, ref, n, min_valid=1)
+      for x, y in zip(jax.tree_util.tree_leaves(snap),
+                      jax.tree_util.tree_leaves(before)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  _assert_same_state(direct, ref)
+  assert direct.stats().to_dict() == ref.stats().to_dict()
+
+
+def test_where_and_plain_sample_interleave_with_direct():
+  """``where`` takes the jitted path (copied into out); Table.sample, inserts and direct
+  samples share one state and one key sequence."""
+  direct, ref = _tables("uniform ring", capacity=32)
+  for t in (direct, ref):
+    t.insert(_batch(20, 0))
+  mask = np.arange(32) % 2 == 0
+  for step in range(6):
+    _sample_both(direct, ref, 4, where=mask)
+    _sample_both(direct, ref, 5)
+    a, b = direct.sample(3), ref.sample(3)
+    np.testing.assert_array_equal(np.asarray(a.info.slot), np.asarray(b.info.slot))
+    for t in (direct, ref):
+      t.insert(_batch(3, 100 + 3 * step))
+  _assert_same_state(direct, ref)
+
+
+def test_direct_packed_bytes_match_sample():
+  """The direct buffer unpacks to what ``Table.sample`` returns for the same history."""
+  direct, ref = _tables("prioritized", capacity=64)
+  for t in (direct, ref):
+    t.insert(_batch(50, 0), priority=np.linspace(0.1, 3, 50))
+  got = direct.sample_packed(16, out=_out(direct, 16)).numpy()
+  want = ref.sample(16)
+  for x, y in zip(jax.tree_util.tree_leaves(got),
+                  jax.tree_util.tree_leaves(want)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_samples_in_place_only_where_it_applies():
+  require_native_kernels()
+  item = _item()
+  assert not fr.Table(fr.TableSpec(8, item, sampler=fr.Fifo())).samples_in_place
+  assert not fr.Table(fr.TableSpec(8, item, sampler=fr.Prioritized(0.6),
+                                   max_staleness=1)).samples_in_place
+  previous = fr.native.default()
+  fr.native.set_default(False)
+  try:
+    portable = fr.Table(fr.TableSpec(8, item))
+  finally:
+    fr.native.set_default(previous)
+  assert not portable.samples_in_place
+  # Not in place: out still receives the batch (a copy of the jitted one).
+  portable.insert(_batch(8, 0))
+  out = _out(portable, 4)
+  smp = portable.sample_packed(4, out=out)
+  assert smp.buffer is out
+  assert smp.numpy().valid.all()
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (lambda n: np.zeros(n, np.int8), ValueError, "out must be uint8"),
+    (lambda n: np.zeros(n + 1, np.uint8), ValueError, "out must be uint8"),
+    (lambda n: np.zeros((n, 2), np.uint8)[:, 0], ValueError, "C-contiguous"),
+    (lambda n: np.zeros(n, np.uint8).setflags(write=False), None, None),
+    (lambda n: list(range(n)), TypeError, "numpy array or a CPU torch tensor"),
+    (lambda n: torch.zeros(n, dtype=torch.uint8, requires_grad=False).float(), ValueError,
+     "out must be uint8"),
+])
+def test_bad_out_is_refused_and_table_intact(bad, err, match):
+  direct, ref = _tables("uniform ring")
+  for t in (direct, ref):
+    t.insert(_batch(10, 0))
+  n = packing.layout(direct.spec.signature, 4).nbytes
+  buf = bad(n)
+  if buf is None:  # setflags returns None: build a read-only array instead
+    buf = np.zeros(n, np.uint8)
+    buf.setflags(write=False)
+    err, match = ValueError, "writable"
+  with pytest.raises(err, match=match):
+    direct.sample_packed(4, out=buf)
+  _sample_both(direct, ref, 4)  # the failed call drew nothing, changed nothing
+  _assert_same_state(direct, ref)
+
+
+def test_torch_out_is_written_in_place():
+  direct, _ = _tables("uniform ring")
+  direct.insert(_batch(10, 0))
+  out = torch.empty(packing.layout(direct.spec.signature, 4).nbytes, dtype=torch.uint8)
+  got = direct.sample_packed(4, out=out)
+  assert got.buffer is out
+  (batch,) = frt.packed_batches(got)
+  ptr, end = out.data_ptr(), out.data_ptr() + out.numel()
+  for t in [*batch.data.values(), batch.valid, batch.info.slot]:
+    assert ptr <= t.data_ptr() < end
+  assert bool(batch.valid.all())
+  ids = batch.data["a"].numpy()
+  np.testing.assert_array_equal(batch.data["obs"].numpy()[:, 1], -ids.astype(np.float32))
+
+
+def test_torch_sampler_batches_stay_intact():
+  """Each TorchSampler batch owns its buffer: later samples and inserts do not alter it."""
+  direct, _ = _tables("uniform ring", capacity=64)
+  direct.insert(_batch(64, 0))
+  sampler = frt.TorchSampler(direct, 8, prefetch=0, on_copy="raise")
+  assert sampler._sample(8).buffer.__class__ is torch.Tensor  # noqa: SLF001
+  it = iter(sampler)
+  first = next(it)
+  kept = {k: v.clone() for k, v in first.data.items()}
+  for _ in range(20):
+    next(it)
+    direct.insert(_batch(16, 1000))
+  for k, v in kept.items():
+    torch.testing.assert_close(first.data[k], v, rtol=0, atol=0)
+  it.close()
+
+
+def test_direct_sampling_with_concurrent_inserts():
+  """An insert thread and a direct-sampling thread: bounded in time, nothing lost, the
+  counters add up."""
+  direct, _ = _tables("staleness + reuse", capacity=256)
+  direct.insert(_batch(64, 0))
+  stop, errors, rows = threading.Event(), [], [0]
+
+  def produce():
+    i = 64
+    try:
+      while not stop.is_set():
+        direct.insert(_batch(8, i), version=direct.version)
+        i += 8
+    except Exception as e:  # noqa: BLE001
+      errors.append(e)
+
+  def consume():
+    try:
+      out = _out(direct, 16)
+      for k in range(300):
+        direct.set_version(k // 50)
+        smp = direct.sample_packed(16, out=out, min_valid=1, timeout=5).numpy()
+        valid = smp.valid
+        rows[0] += int(valid.sum())
+        assert (smp.info.version[valid] >= direct.version - 2).all()
+        assert len(set(smp.info.slot[valid].tolist())) == int(valid.sum())
+    except Exception as e:  # noqa: BLE001
+      errors.append(e)
+
+  threads = [threading.Thread(target=produce), threading.Thread(target=consume)]
+  t0 = time.monotonic()
+  for t in threads:
+    t.start()
+  threads[1].join(timeout=60)
+  stop.set()
+  threads[0].join(timeout=60)
+  assert not any(t.is_alive() for t in threads) and time.monotonic() - t0 < 60
+  assert not errors, errors
+  stats = direct.stats().to_dict()
+  assert stats["samples"] == rows[0] > 0
+  assert stats["inserts"] == stats["size"] + stats["evicted_capacity"] + stats["evicted_reuse"]
