@@ -47,7 +47,10 @@ What crosses the boundary, and the pitfalls handled (DESIGN.md section 5):
   ``Table.sample_packed`` (the whole batch in one buffer, written by the
   sampling program) and views each field of the one exported tensor
   (``packed_to_torch`` / ``packed_batches``). Moving to another device is one
-  copy of that buffer.
+  copy of that buffer. On a CPU table there is no export at all: the table
+  samples straight into a torch tensor ``TorchSampler`` allocates
+  (``Table.sample_packed(out=tensor)``, without a jitted call; pinned when
+  the batches go to a GPU).
 * **Per-call cost.** On CPU the table call (dispatch, host sync) is the rest
   of a small batch's cost: ``TorchSampler(batches_per_call=k)`` samples
   ``k * B`` rows in one call and hands them out as ``k`` zero-copy batches.

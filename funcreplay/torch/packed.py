@@ -107,6 +107,12 @@ def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
     raise TypeError(f"packed_batches: {why}; use sample_to_torch(Table.sample(...)).")
   plan = _plan(lay, parts)
   buf = packed.buffer
+  ne = lay.fields[-1]
+  if isinstance(buf, (torch.Tensor, np.ndarray)):  # Table.sample_packed(out=...): host memory
+    raw = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf)
+    host = buf.numpy() if isinstance(buf, torch.Tensor) else buf
+    num_eligible = int(host[ne.offset:ne.offset + 4].view(np.int32)[0])
+    return _views(raw, raw, num_eligible, lay, plan, parts, device, non_blocking)
   if buf.is_deleted():
     raise ValueError("packed_batches: the buffer has been deleted (donated to a jitted call).")
   buf.block_until_ready()  # async dispatch: XLA must have finished writing it
@@ -115,19 +121,26 @@ def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
   if ptr is not None and ptr != raw.data_ptr():
     _handle_copies(TransferReport(1, 0, (("<buffer>", "DLPack export copied the buffer"),)),
                    on_copy, "packed_batches")
-  ne = lay.fields[-1]
+  num_eligible = _read_num_eligible(raw, ne) if raw.device.type == "cpu" else None
+  return _views(raw, raw, num_eligible, lay, plan, parts, device, non_blocking)
 
-  def read_num_eligible(t):  # one int32 at its offset (a device->host copy for GPU tensors)
-    return int(t[ne.offset:ne.offset + 4].view(torch.int32)[0])
 
-  exported = raw
-  num_eligible = read_num_eligible(raw) if raw.device.type == "cpu" else None
+def _read_num_eligible(t: torch.Tensor, ne) -> int:
+  """The int32 at field ``ne``'s offset (a device->host copy for GPU tensors)."""
+  return int(t[ne.offset:ne.offset + 4].view(torch.int32)[0])
+
+
+def _views(raw: torch.Tensor, exported: torch.Tensor, num_eligible: Optional[int],
+           lay: PackedLayout, plan: _Plan, parts: int, device, non_blocking: bool
+           ) -> List[TorchBatch]:
+  """The ``TorchBatch`` views of a packed buffer ``raw`` (moved to ``device`` first).
+  ``num_eligible`` None: read from the buffer (a GPU buffer: after the move)."""
   dev = _as_device(device)
   if dev is not None and not _same_device(raw, dev):
     raw = _move(raw, dev, non_blocking)
   if num_eligible is None:  # a GPU buffer: from its host copy once complete, else from it
     done = raw.device.type == "cpu" and not non_blocking
-    num_eligible = read_num_eligible(raw if done else exported)
+    num_eligible = _read_num_eligible(raw if done else exported, lay.fields[-1])
   typed = [raw.view(td) for td in plan.dtypes]
   nd = lay.num_data
   if parts == 1:

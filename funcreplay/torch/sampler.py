@@ -198,6 +198,7 @@ class TorchSampler(torch_data.IterableDataset):
     self._default: Optional[_BatchIterator] = None
     self._sampled = 0
     self._packed: Optional[bool] = None  # decided on the first sample
+    self._in_place: Optional[bool] = None  # likewise: sample into torch memory directly
 
   # -- sampling --------------------------------------------------------------------------
   def _beta(self, index: int) -> Optional[float]:
@@ -251,13 +252,26 @@ class TorchSampler(torch_data.IterableDataset):
     return pending.pop(0)
 
   def _sample(self, rows: int, **kwargs):
-    """A ``PackedSample`` (one export for the whole call) where the table and the
-    item dtypes allow it, else a ``Sample``."""
+    """A ``PackedSample`` where the table and the item dtypes allow it, else a ``Sample``.
+
+    Packed, a CPU table writes the batch straight into a fresh torch tensor
+    (``Table.sample_packed(out=...)``, no jitted call and no export; pinned
+    when the batches go to a GPU); other tables return one XLA buffer, which
+    crosses with one DLPack export.
+    """
     if self._packed is None:
       spec = getattr(self.table, "spec", None)
       self._packed = (hasattr(self.table, "sample_packed") and spec is not None
                       and packing.packable(spec.signature) is None
                       and unsupported(packing.layout(spec.signature, rows)) is None)
+      self._in_place = (self._packed and self.where is None
+                        and getattr(self.table, "samples_in_place", False))
+    if self._in_place:
+      pin = (self.device is not None and self.device.type == "cuda"
+             and torch.cuda.is_available())
+      out = torch.empty(packing.layout(self.table.spec.signature, rows).nbytes,
+                        dtype=torch.uint8, pin_memory=pin)
+      return self.table.sample_packed(rows, out=out, **kwargs)
     if self._packed:
       return self.table.sample_packed(rows, **kwargs)
     return self.table.sample(rows, **kwargs)
