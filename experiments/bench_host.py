@@ -15,7 +15,10 @@ next_obs float32[64]) until ``--items`` items are in:
   project's machines it is not installed and the run says so).
 
 Then the latency of one ``Table.sample(256)`` (uniform, full table, until the
-batch is ready) against cpprb ``sample(256)``.
+batch is ready; a jitted call returning JAX arrays) and of one
+``Table.sample_packed(256, out=np.empty(...))`` (the same draw written in place
+into a fresh numpy buffer without a jitted call, ``funcreplay.native.direct``)
+against cpprb ``sample(256)`` (a dict of fresh numpy arrays).
 
 Configurations are measured round-robin (``--repeats`` rounds, the order of
 the two systems alternating), and the median is reported. Each ingestion row
@@ -37,6 +40,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
+from funcreplay import packing  # noqa: E402
 from funcreplay.table import Table  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -136,6 +140,17 @@ class Funcreplay:
       times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
+  def sample_into_latency(self, calls):
+    """``sample_packed(256, out=fresh numpy buffer)``: the host-side API (in place, no jit)."""
+    t = self.table
+    n = packing.layout(t.spec.signature, 256).nbytes
+    times = []
+    for _ in range(calls):
+      t0 = time.perf_counter()
+      t.sample_packed(256, out=np.empty(n, np.uint8))
+      times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
 
 class Cpprb:
   name = "cpprb ReplayBuffer.add (one lock)"
@@ -212,6 +227,8 @@ def measure(threads, items_per_run, capacity, batch_size, repeats, sample_calls)
     for key, sysm in ([("fr_sample", frp), ("cpprb_sample", cp)] if r % 2 == 0
                       else [("cpprb_sample", cp), ("fr_sample", frp)]):
       raw.setdefault(key, []).append(sysm.sample_latency(sample_calls))
+      if key == "fr_sample":
+        raw.setdefault("fr_sample_into", []).append(sysm.sample_into_latency(sample_calls))
   return {k: float(np.median(v)) for k, v in raw.items()}, item_bytes(items[0])
 
 
@@ -233,6 +250,11 @@ def rows_from(med, threads):
                      peer_cpu_us_per_item=med[("cpprb_nolock_cpu", 1)] * 1e6))
   ours, peer = med["fr_sample"], med["cpprb_sample"]
   rows.append(dict(section="host_sample", case="sample(256) latency, uniform, full table",
+                   funcreplay=ours * 1e6, peer=peer * 1e6, peer_name="cpprb ReplayBuffer.sample",
+                   unit="us", ratio=peer / ours))
+  ours = med["fr_sample_into"]
+  rows.append(dict(section="host_sample",
+                   case="sample_packed(256, out=np.empty(...)) latency (in place, no jit)",
                    funcreplay=ours * 1e6, peer=peer * 1e6, peer_name="cpprb ReplayBuffer.sample",
                    unit="us", ratio=peer / ours))
   return rows

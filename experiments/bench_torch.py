@@ -7,8 +7,9 @@ Cases, each measured in the same process, round-robin over ``--repeats``
 (median reported):
 
 * ``uniform``: ``TorchSampler`` over a ``fr.Table`` (Uniform sampler,
-  without replacement) vs TorchRL ``ReplayBuffer(LazyTensorStorage)``
-  (RandomSampler, with replacement);
+  without replacement; each batch sampled in place into a fresh torch tensor,
+  ``Table.sample_packed(out=...)``) vs TorchRL
+  ``ReplayBuffer(LazyTensorStorage)`` (RandomSampler, with replacement);
 * ``uniform, prefetch 2``: both with two batches sampled ahead on a
   background thread (``TorchSampler(prefetch=2)`` / ``ReplayBuffer(prefetch=2)``);
 * ``uniform, 4 / 8 batches/call``: ``TorchSampler(batches_per_call=k)`` (one
@@ -49,6 +50,7 @@ import torch  # noqa: E402
 
 import funcreplay as fr  # noqa: E402
 import funcreplay.torch as frt  # noqa: E402
+from funcreplay import packing  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("capacity", 1 << 17, "items in every buffer (filled completely)")
@@ -117,10 +119,14 @@ def _ours(capacity: int, batch: int) -> Dict[str, _Case]:
   # bridge did before packed samples: the difference is the per-array export cost.
   cases["uniform, per-array export"] = _Case(
       lambda: _consume(frt.sample_to_torch(uni.sample(batch), on_copy="raise").data["obs"]))
-  # Diagnostic: the table call alone (JAX arrays, blocked on, no torch): the rest of the
-  # "uniform" case's time is the bridge (export, weights, iterator).
+  # Diagnostics: the table call alone, jitted (JAX arrays, blocked on, no torch) and in
+  # place into a torch tensor; the rest of the "uniform" case's time is the bridge
+  # (views, iterator).
   cases["Table.sample alone (no bridge)"] = _Case(
       lambda: jax.block_until_ready(uni.sample(batch).data["obs"]))
+  nbytes = packing.layout(uni.spec.signature, batch).nbytes
+  cases["sample_packed(out=tensor) alone"] = _Case(
+      lambda: uni.sample_packed(batch, out=torch.empty(nbytes, dtype=torch.uint8)))
   pri = _fill_table(fr.Prioritized(0.6), capacity)
   it_p = iter(frt.TorchSampler(pri, batch, prefetch=0, beta=0.4, on_copy="raise"))
   gen = torch.Generator().manual_seed(0)
@@ -210,7 +216,7 @@ def measure(capacity: int, batch: int, steps: int, repeats: int) -> dict:
               skipped=None if peers is not None else peer_name)
 
 
-_DIAGNOSTIC = ("Table.sample alone (no bridge)",)
+_DIAGNOSTIC = ("Table.sample alone (no bridge)", "sample_packed(out=tensor) alone")
 # Our cases without a TorchRL counterpart of their own compare with this one.
 _PEER_CASE = {"uniform, per-array export": "uniform"}
 
