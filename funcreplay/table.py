@@ -293,12 +293,9 @@ class Table:
     # scalar argument is a transfer per call (~5 us each on CPU).
     self._scalars = {}
     self._uniform_remover = isinstance(spec.remover, sel.Uniform)
-    # Sampling in place into a caller's buffer (sample_packed(out=...)):
-    # a direct_lib.DirectSampler once checked (False: not possible here), and
-    # the outputs of read-only programs still possibly reading the state,
-    # which a direct sample must wait for before writing it.
+    # Sampling in place into a caller's buffer (sample_packed(out=...)): a
+    # direct_lib.DirectSampler once checked (False: not possible here).
     self._direct = None
-    self._readers = []
 
   # -- construction from a state (restore) ----------------------------------------
   @classmethod
@@ -565,19 +562,18 @@ class Table:
     return self._direct or None
 
   def _settle(self, direct) -> None:
-    """Before a direct sample: no XLA program may still use the state; the key is numpy.
-    Lock held."""
-    if self._readers:
-      jax.block_until_ready(self._readers)
-      self._readers = []
+    """Before a direct sample: no XLA program may still write the state (read-only ones
+    finished in ``_reading``); the key is numpy. Lock held."""
     direct.bind(self._state)
     if not (isinstance(self._rng, np.ndarray) and self._rng.flags.writeable):
       self._rng = np.array(self._rng, dtype=np.uint32)
 
   def _reading(self, result):
-    """Note the output of a read-only program on the state (a direct sample waits for it)."""
-    if self._direct:
-      self._readers.append(result)
+    """The output of a read-only program on the state, finished before the lock is released
+    when this table may sample in place: a direct sample writes the buffers that program
+    reads, and only the program's outputs tell when it is done. Lock held."""
+    if self._direct_sampler() is not None:
+      jax.block_until_ready(result)
     return result
 
   def _sample(self, what, batch_size, version, where, timeout, replace, min_valid, *, packed,

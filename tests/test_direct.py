@@ -282,3 +282,23 @@ def test_direct_sampling_with_concurrent_inserts():
   stats = direct.stats().to_dict()
   assert stats["samples"] == rows[0] > 0
   assert stats["inserts"] == stats["size"] + stats["evicted_capacity"] + stats["evicted_reuse"]
+
+
+def test_read_only_programs_finish_before_the_lock_is_released(monkeypatch):
+  """A table that may sample in place waits for its read-only programs (snapshot, stats)
+  before releasing the lock, even before its first direct sample: a later direct sample
+  writes the buffers they read. (XLA:CPU usually runs such a copy inline, so the race is
+  rare here; the test checks that the wait is made, then that the copy is intact.)"""
+  require_native_kernels()
+  table = fr.Table(fr.TableSpec(64, _item()), seed=1)
+  table.insert(_batch(64, 0))
+  waited = []
+  real = jax.block_until_ready
+  monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x) or real(x))
+  snap = table.snapshot()  # before the table ever sampled in place
+  stats = table.stats()
+  assert any(w is snap for w in waited) and any(w is stats for w in waited)
+  times = np.asarray(snap.times_sampled).copy()
+  table.sample_packed(32, out=_out(table, 32))
+  np.testing.assert_array_equal(np.asarray(snap.times_sampled), times)
+  assert int(np.asarray(table.snapshot().times_sampled).sum()) == 32

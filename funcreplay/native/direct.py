@@ -14,9 +14,10 @@ items and end in the same state (tests/test_direct.py).
 
 The price is the usual one of mutating in place: the Python side must make
 sure no XLA computation is still using the buffers. ``DirectSampler.bind``
-is called with the table's current state whenever it changed, blocks until
-the state is ready, and the table also waits for its pending read-only
-programs (``snapshot``, ``stats``) first (``Table._settle``).
+is called with the table's current state whenever it changed and blocks
+until the state is ready (pending jitted writers); the table's read-only
+programs (``snapshot``, ``stats``) finish before it releases its lock
+(``Table._reading``).
 
 Applies (``unsupported`` returns None) to a spec the native sample kernel
 covers (``native.supports_sample``), sampled without ``where``, except a
@@ -59,8 +60,9 @@ def unsupported(spec: TableSpec, native: bool) -> Optional[str]:
     return "the native sample kernel does not cover this spec"
   if spec.prioritized and spec.max_staleness is not None:
     return "a prioritized sampler with max_staleness sums eligible weights in JAX"
-  if packing.packable(spec.signature) is not None:
-    return packing.packable(spec.signature)
+  why = packing.packable(spec.signature)
+  if why is not None:
+    return why
   if build.library() is None:
     return f"the native library is unavailable ({build.error()})"
   return None

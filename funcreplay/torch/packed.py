@@ -112,7 +112,7 @@ def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
     raw = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf)
     host = buf.numpy() if isinstance(buf, torch.Tensor) else buf
     num_eligible = int(host[ne.offset:ne.offset + 4].view(np.int32)[0])
-    return _views(raw, raw, num_eligible, lay, plan, parts, device, non_blocking)
+    return _views(raw, num_eligible, lay, plan, parts, device, non_blocking)
   if buf.is_deleted():
     raise ValueError("packed_batches: the buffer has been deleted (donated to a jitted call).")
   buf.block_until_ready()  # async dispatch: XLA must have finished writing it
@@ -122,7 +122,7 @@ def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
     _handle_copies(TransferReport(1, 0, (("<buffer>", "DLPack export copied the buffer"),)),
                    on_copy, "packed_batches")
   num_eligible = _read_num_eligible(raw, ne) if raw.device.type == "cpu" else None
-  return _views(raw, raw, num_eligible, lay, plan, parts, device, non_blocking)
+  return _views(raw, num_eligible, lay, plan, parts, device, non_blocking)
 
 
 def _read_num_eligible(t: torch.Tensor, ne) -> int:
@@ -130,11 +130,11 @@ def _read_num_eligible(t: torch.Tensor, ne) -> int:
   return int(t[ne.offset:ne.offset + 4].view(torch.int32)[0])
 
 
-def _views(raw: torch.Tensor, exported: torch.Tensor, num_eligible: Optional[int],
-           lay: PackedLayout, plan: _Plan, parts: int, device, non_blocking: bool
-           ) -> List[TorchBatch]:
+def _views(raw: torch.Tensor, num_eligible: Optional[int], lay: PackedLayout, plan: _Plan,
+           parts: int, device, non_blocking: bool) -> List[TorchBatch]:
   """The ``TorchBatch`` views of a packed buffer ``raw`` (moved to ``device`` first).
   ``num_eligible`` None: read from the buffer (a GPU buffer: after the move)."""
+  exported = raw
   dev = _as_device(device)
   if dev is not None and not _same_device(raw, dev):
     raw = _move(raw, dev, non_blocking)
