@@ -6,6 +6,7 @@ check the copy is reported (and the values right). CUDA variants run only
 when torch and JAX both see a GPU.
 """
 
+import dataclasses
 import gc
 import json
 import os
@@ -338,6 +339,47 @@ def test_packed_batches_cut_one_call_into_row_ranges():
     frt.packed_batches(stacked)
   with pytest.raises(ValueError, match="on_copy must be one of"):
     frt.packed_batches(one, on_copy="bogus")
+  twin_a.close()
+  twin_b.close()
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_packed_info_columns_are_views_made_on_first_read(parts):
+  import copy  # noqa: PLC0415
+  twin_a, twin_b = _table(32, sampler=PRIO), _table(32, sampler=PRIO)
+  for t in (twin_a, twin_b):
+    t.insert(_rows(0, 32), priority=np.linspace(0.5, 2, 32))
+  packed = twin_a.sample_packed(6 * parts)
+  batches = frt.packed_batches(packed, parts, on_copy="raise")
+  whole = twin_b.sample(6 * parts)
+  base = packed.buffer.unsafe_buffer_pointer()
+  offsets = {f.name: f.offset for f in packed.layout.fields}
+  for i, b in enumerate(batches):
+    info = b.info
+    assert isinstance(info, frt.TorchInfo)
+    assert not {"slot", "key", "probability"} & set(vars(info))  # nothing built yet
+    np.testing.assert_array_equal(info.key.numpy(), np.asarray(whole.info.key)[6 * i:6 * i + 6])
+    assert "key" in vars(info) and info.key is info.key  # built once, then an attribute
+    assert info.key.data_ptr() == base + offsets["info.key"] + 4 * 6 * i
+    assert "slot" not in vars(info)
+    flat = jax.tree_util.tree_leaves(info)  # flattening builds the rest
+    ref = jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x, i=i: x[6 * i:6 * i + 6],
+                                                           whole.info))
+    assert len(flat) == 6
+    for t, x in zip(flat, ref, strict=True):
+      np.testing.assert_array_equal(_np(t), np.asarray(x))
+    for other in (copy.copy(info), copy.deepcopy(info),
+                  dataclasses.replace(info, priority=info.priority * 2)):
+      assert type(other) is frt.TorchInfo and "_make" not in vars(other)
+      assert torch.equal(other.slot, info.slot)
+    with pytest.raises(AttributeError, match="no attribute 'slots'"):
+      _ = info.slots
+  # A lazy info built after later samples still views its own batch.
+  fresh = frt.packed_batches(twin_a.sample_packed(6 * parts), parts, on_copy="raise")[0].info
+  for _ in range(3):
+    twin_a.insert(_rows(64, 32))
+    twin_a.sample_packed(6 * parts)
+  np.testing.assert_array_equal(fresh.slot.numpy(), np.asarray(twin_b.sample(6 * parts).info.slot)[:6])
   twin_a.close()
   twin_b.close()
 

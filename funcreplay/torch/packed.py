@@ -4,7 +4,9 @@
 rest of handing a batch over; a ``Sample`` has about a dozen arrays. A
 ``PackedSample`` is one buffer, so the batch crosses with one export (or one
 host-to-device copy) and every field becomes a view at its offset
-(``as_strided`` on a view of the buffer as that field's dtype).
+(``as_strided`` on a view of the buffer as that field's dtype). Each view
+costs ~1.2 us of torch dispatch, so the six info columns are made when first
+read (``TorchInfo._lazy``): a learner without priority write-back reads none.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class _Plan:
 
   dtypes: tuple  # distinct torch dtypes of the fields
   views: tuple   # (dtype index, shape, strides, start, elements per part) per field
+  info: dict     # the views of the info columns, by TorchInfo field name
 
 
 @functools.lru_cache(maxsize=256)
@@ -74,7 +77,8 @@ def _plan(lay: PackedLayout, parts: int) -> _Plan:
     shape = (b,) + f.shape[1:]
     views.append((dtypes.index(td), shape, _dense_strides(shape),
                   f.offset // f.dtype.itemsize, int(np.prod(shape, dtype=np.int64))))
-  return _Plan(tuple(dtypes), tuple(views))
+  nd = lay.num_data
+  return _Plan(tuple(dtypes), tuple(views), dict(zip(_INFO_FIELDS, views[nd + 1:])))
 
 
 def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
@@ -105,14 +109,11 @@ def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
   why = _unsupported(lay)
   if why is not None:
     raise TypeError(f"packed_batches: {why}; use sample_to_torch(Table.sample(...)).")
-  plan = _plan(lay, parts)
   buf = packed.buffer
-  ne = lay.fields[-1]
   if isinstance(buf, (torch.Tensor, np.ndarray)):  # Table.sample_packed(out=...): host memory
-    raw = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf)
-    host = buf.numpy() if isinstance(buf, torch.Tensor) else buf
-    num_eligible = int(host[ne.offset:ne.offset + 4].view(np.int32)[0])
-    return _views(raw, num_eligible, lay, plan, parts, device, non_blocking)
+    return host_batches(buf, lay, parts, device, non_blocking)
+  plan = _plan(lay, parts)
+  ne = lay.fields[-1]
   if buf.is_deleted():
     raise ValueError("packed_batches: the buffer has been deleted (donated to a jitted call).")
   buf.block_until_ready()  # async dispatch: XLA must have finished writing it
@@ -123,6 +124,19 @@ def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
                    on_copy, "packed_batches")
   num_eligible = _read_num_eligible(raw, ne) if raw.device.type == "cpu" else None
   return _views(raw, num_eligible, lay, plan, parts, device, non_blocking)
+
+
+def host_batches(buf, lay: PackedLayout, parts: int, device,
+                 non_blocking: bool) -> List[TorchBatch]:
+  """``packed_batches`` of a host buffer already checked against ``lay`` (a numpy array or
+  CPU torch tensor, ``uint8[lay.nbytes]``, C-contiguous; ``parts`` divides the rows)."""
+  if isinstance(buf, torch.Tensor):
+    raw, host = buf, buf.numpy()
+  else:
+    raw, host = torch.from_numpy(buf), buf
+  ne = lay.fields[-1].offset
+  num_eligible = int(host[ne:ne + 4].view(np.int32)[0])
+  return _views(raw, num_eligible, lay, _plan(lay, parts), parts, device, non_blocking)
 
 
 def _read_num_eligible(t: torch.Tensor, ne) -> int:
@@ -143,18 +157,25 @@ def _views(raw: torch.Tensor, num_eligible: Optional[int], lay: PackedLayout, pl
     num_eligible = _read_num_eligible(raw if done else exported, lay.fields[-1])
   typed = [raw.view(td) for td in plan.dtypes]
   nd = lay.num_data
+  eager = plan.views[:nd + 1]  # the data leaves and valid; the info columns are lazy
   if parts == 1:
     per_part = [[typed[d].as_strided(shape, strides, start)
-                 for d, shape, strides, start, _ in plan.views]]
+                 for d, shape, strides, start, _ in eager]]
   else:  # one [parts, B, ...] view per field, unbound into the parts
     per_part = zip(*(typed[d].as_strided((parts,) + shape, (n,) + strides, start).unbind(0)
-                     for d, shape, strides, start, n in plan.views))
+                     for d, shape, strides, start, n in eager))
   out = []
-  for arrays in per_part:
-    info = TorchInfo(**dict(zip(_INFO_FIELDS, arrays[nd + 1:])))
+  for i, arrays in enumerate(per_part):
+    info = TorchInfo._lazy(functools.partial(_info_view, typed, plan.info, i))  # noqa: SLF001
     out.append(TorchBatch(jax.tree_util.tree_unflatten(lay.treedef, arrays[:nd]), arrays[nd],
                           info, None, num_eligible))
   return out
+
+
+def _info_view(typed: List[torch.Tensor], info: dict, part: int, name: str) -> torch.Tensor:
+  """Info column ``name`` of batch ``part``: a view of the typed buffer."""
+  d, shape, strides, start, n = info[name]
+  return typed[d].as_strided(shape, strides, start + part * n)
 
 
 def packed_to_torch(packed: PackedSample, *, device=None, beta: Optional[float] = None,

@@ -17,7 +17,7 @@ from funcreplay import packing
 from funcreplay.packing import PackedSample
 from funcreplay.torch.batches import TorchBatch, _weights, sample_to_torch
 from funcreplay.torch.dlpack import OnCopy, _check_on_copy
-from funcreplay.torch.packed import packed_batches, unsupported
+from funcreplay.torch.packed import host_batches, packed_batches, unsupported
 
 # --- the iterator ------------------------------------------------------------------------
 
@@ -199,6 +199,7 @@ class TorchSampler(torch_data.IterableDataset):
     self._sampled = 0
     self._packed: Optional[bool] = None  # decided on the first sample
     self._in_place: Optional[bool] = None  # likewise: sample into torch memory directly
+    self._out_bytes: dict = {}  # rows -> (bytes of an in-place buffer, pinned)
 
   # -- sampling --------------------------------------------------------------------------
   def _beta(self, index: int) -> Optional[float]:
@@ -231,7 +232,9 @@ class TorchSampler(torch_data.IterableDataset):
       index = self._sampled
       self._sampled += k
     on_dev = self.device is None or self.device.type == "cpu"
-    if isinstance(smp, PackedSample):
+    if self._in_place:  # our own buffer, of the layout's size: no checks needed
+      parts = host_batches(smp.buffer, smp.layout, k, self.device, not on_dev)
+    elif isinstance(smp, PackedSample):
       parts = packed_batches(smp, k, device=self.device, on_copy=self.on_copy,
                              non_blocking=not on_dev)
     else:
@@ -267,10 +270,14 @@ class TorchSampler(torch_data.IterableDataset):
       self._in_place = (self._packed and self.where is None
                         and getattr(self.table, "samples_in_place", False))
     if self._in_place:
-      pin = (self.device is not None and self.device.type == "cuda"
-             and torch.cuda.is_available())
-      out = torch.empty(packing.layout(self.table.spec.signature, rows).nbytes,
-                        dtype=torch.uint8, pin_memory=pin)
+      got = self._out_bytes.get(rows)
+      if got is None:
+        pin = (self.device is not None and self.device.type == "cuda"
+               and torch.cuda.is_available())
+        got = self._out_bytes[rows] = (packing.layout(self.table.spec.signature, rows).nbytes,
+                                       pin)
+      nbytes, pin = got
+      out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
       return self.table.sample_packed(rows, out=out, **kwargs)
     if self._packed:
       return self.table.sample_packed(rows, **kwargs)
