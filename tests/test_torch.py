@@ -384,6 +384,36 @@ def test_packed_info_columns_are_views_made_on_first_read(parts):
   twin_b.close()
 
 
+def test_a_packed_batch_saves_and_copies_as_tensors_of_its_own(tmp_path):
+  import copy  # noqa: PLC0415
+  table = _table(32, sampler=PRIO)
+  table.insert(_rows(0, 32), priority=np.linspace(0.5, 2, 32))
+  b = next(iter(frt.TorchSampler(table, 6, prefetch=0, beta=0.4, on_copy="raise")))
+  buffer = b.data["obs"].untyped_storage().data_ptr()  # every field views this buffer
+  fields = lambda x: jax.tree_util.tree_leaves((x.data, x.valid, x.info))  # noqa: E731
+  ref = [t.clone() for t in fields(b)]
+
+  def check(other, shared):
+    assert type(other) is frt.TorchBatch and torch.equal(other.weights, b.weights)
+    for t, r in zip(fields(other), ref, strict=True):
+      assert t.dtype == r.dtype and torch.equal(t, r)
+      assert (t.untyped_storage().data_ptr() == buffer) == shared
+    assert other.num_eligible == b.num_eligible
+
+  check(b.clone(), shared=False)
+  check(copy.deepcopy(b), shared=False)
+  check(copy.copy(b), shared=True)
+  torch.save(b, tmp_path / "batch.pt")
+  check(torch.load(tmp_path / "batch.pt", weights_only=False), shared=False)
+  torch.save(b.clone().data, tmp_path / "data.pt")  # the fields alone, as plain tensors
+  data = torch.load(tmp_path / "data.pt")
+  for k, v in b.data.items():
+    assert torch.equal(data[k], v)
+  info = copy.copy(b.info)
+  assert type(info) is frt.TorchInfo and info.slot.data_ptr() == b.info.slot.data_ptr()
+  table.close()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("per_call", [1, 2])
 def test_torch_sampler_hands_out_the_packed_sample_of_each_call(per_call, monkeypatch):

@@ -64,11 +64,22 @@ class TorchInfo:
     object.__setattr__(self, name, value)  # concurrent first reads build equal views
     return value
 
+  def __copy__(self) -> "TorchInfo":
+    return TorchInfo(**{name: getattr(self, name) for name in _INFO_ORDER})
+
   def __getstate__(self) -> dict:
-    return {name: getattr(self, name) for name in _INFO_NAMES}
+    # Pickling (torch.save, deepcopy) stores copies: the columns of a packed
+    # batch view one buffer as several dtypes, which torch refuses to save.
+    return {name: _own(getattr(self, name)) for name in _INFO_ORDER}
 
 
-_INFO_NAMES = frozenset(f.name for f in dataclasses.fields(TorchInfo))
+_INFO_ORDER = tuple(f.name for f in dataclasses.fields(TorchInfo))
+_INFO_NAMES = frozenset(_INFO_ORDER)
+
+
+def _own(x):
+  """A tensor with memory of its own (a copy); anything else as it is."""
+  return x.clone() if isinstance(x, torch.Tensor) else x
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -85,6 +96,11 @@ class TorchBatch:
     weights: float32[B] PER importance weights ``(N P(i))**-beta / max``
       (0 on invalid rows), or None when no ``beta`` was given.
     num_eligible: N, the number of eligible items when sampled.
+
+  The tensors of a sampled batch are views of one buffer (zero copy), so
+  ``torch.save(batch.data)`` refuses them ("view the same data as different
+  types"): save ``batch.clone().data``, or the batch itself (``torch.save``
+  and ``copy.deepcopy`` of a ``TorchBatch`` or ``TorchInfo`` store copies).
   """
 
   data: Any
@@ -100,6 +116,17 @@ class TorchBatch:
     """Every tensor moved to ``device``."""
     dev = torch.device(device)
     return self._map(lambda t: t if _same_device(t, dev) else _move(t, dev, non_blocking))
+
+  def clone(self) -> "TorchBatch":
+    """A copy whose tensors have memory of their own (e.g. to ``torch.save`` its fields)."""
+    return self._map(torch.Tensor.clone)
+
+  def __copy__(self) -> "TorchBatch":
+    return dataclasses.replace(self)
+
+  def __getstate__(self) -> dict:
+    return {f.name: _own(getattr(self, f.name)) if f.name != "data" else
+            jax.tree_util.tree_map(_own, self.data) for f in dataclasses.fields(self)}
 
   def pin_memory(self) -> "TorchBatch":
     """Pinned copies (``torch.utils.data.DataLoader(pin_memory=True)`` calls this)."""
