@@ -209,6 +209,12 @@ def _priority_rows(x, n: int, what: str, check: Optional[np.ndarray] = None) -> 
   return np.ascontiguousarray(p)
 
 
+def _has_denormal(p: np.ndarray, rows: np.ndarray) -> bool:
+  """True if a float32 ``p`` on ``rows`` is denormal (nonzero, below the smallest normal)."""
+  a = np.abs(p[rows])
+  return bool(np.any((a > 0) & (a < np.finfo(np.float32).tiny)))
+
+
 def _pad(a: np.ndarray, n: int, fill=0) -> np.ndarray:
   if a.shape[0] == n:
     return a
@@ -660,15 +666,27 @@ class Table:
       priorities: float[K] or a scalar, finite and >= 0 (checked on rows
         with slot >= 0). Duplicate slots: the last one wins.
 
-    Accepts numpy, JAX, or anything with ``__array__``.
+    Accepts numpy, JAX, or anything with ``__array__``. A table that samples
+    in place (``samples_in_place``) updates in place too, with the same
+    kernel and without a jitted call (unless a priority is denormal).
     """
     self._check_open("update_priorities")
     s, k = self._slots_keys(slots, keys, "Table.update_priorities")
     if s is None:
       return
-    p = _pad(_priority_rows(priorities, len(s), "Table.update_priorities priorities",
-                            check=s >= 0), _bucket(len(s), 2**30), 0.0)
-    s, k = _pad(s, len(p), -1), _pad(k, len(p), 0)
+    p = _priority_rows(priorities, len(s), "Table.update_priorities priorities", check=s >= 0)
+    with self._cond:
+      direct = self._direct_sampler()
+      # In place, like a direct sample (funcreplay.native.direct); a denormal priority
+      # goes through XLA, whose treatment of one the direct path does not reproduce.
+      if direct is not None and not _has_denormal(p, s >= 0):
+        self._check_open("update_priorities")
+        self._settle(direct)
+        direct.update_priorities(s, k, p)
+        self._cond.notify_all()
+        return
+    n = _bucket(len(s), 2**30)
+    s, k, p = _pad(s, n, -1), _pad(k, n, 0), _pad(p, n, 0.0)
     self._mutate("update_priorities", self._ops.update_priorities, s, k, p)
 
   def delete(self, slots, keys) -> None:

@@ -163,6 +163,44 @@ def test_direct_packed_bytes_match_sample():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.6, 1.0, 1.7, 2.0])
+def test_direct_priority_update_matches_jitted_bit_for_bit(alpha, monkeypatch):
+  """The direct update computes priority**alpha with libm's powf, the jitted one in XLA:
+  the weight trees (and the rest of the state) must agree to the bit."""
+  require_native_kernels()
+  spec = fr.TableSpec(64, _item(), sampler=fr.Prioritized(alpha), remover=fr.Uniform())
+  direct, ref = fr.Table(spec, seed=5), fr.Table(spec, seed=5)
+  ref._direct = False  # noqa: SLF001
+  rng = np.random.default_rng(int(alpha * 10))
+  for t in (direct, ref):
+    t.insert(_batch(64, 0))
+  jitted, mutate = [], direct._mutate  # noqa: SLF001
+  monkeypatch.setattr(direct, "_mutate", lambda what, *a: jitted.append(what) or mutate(what, *a))
+  keys = np.asarray(direct.snapshot().key)
+  denormal_rounds = []
+  for r in range(8):
+    k = int(rng.integers(1, 200))
+    slots = rng.integers(-1, 64, k).astype(np.int32)  # duplicates: the last one wins
+    row_keys = keys[np.maximum(slots, 0)].copy()
+    row_keys[rng.random(k) < 0.1] += 1  # stale keys: ignored
+    # Normal floats from 1e-39 up (weights that underflow to denormals: flushed to 0),
+    # zeros, the largest float; every other round a denormal, which goes through XLA.
+    edge = [0.0, 1.2e-38, 1e-30, 1e-29, 1e-20, 3.4e38, 1.0, 2.0]
+    p = np.concatenate([rng.random(k), np.exp(rng.uniform(-87, 88, k)), edge])
+    p = rng.permutation(p)[:k].astype(np.float32)
+    p[slots < 0] = np.nan  # ignored rows may hold anything
+    if r % 2 and (slots >= 0).any():
+      p[np.argmax(slots >= 0)] = 1e-45
+      denormal_rounds.append("update_priorities")
+    for t in (direct, ref):
+      t.update_priorities(slots, row_keys, p)
+    _assert_same_state(direct, ref)
+  assert jitted == denormal_rounds  # the direct table ran the jitted update only for those
+  _sample_both(direct, ref, 32)
+  _assert_same_state(direct, ref)
+  assert direct.stats().to_dict() == ref.stats().to_dict()
+
+
 def test_samples_in_place_only_where_it_applies():
   require_native_kernels()
   item = _item()

@@ -2,7 +2,7 @@
 
 One shared library holds ``kernels.cc`` (the XLA FFI handlers) and
 ``direct.cc`` (the direct host entry points, ``funcreplay.native.direct``),
-which share ``common.h`` and ``sample_core.h``. It is built on first use with
+which share ``common.h``, ``sample_core.h`` and ``priorities_core.h``. It is built on first use with
 the system C++ compiler (``$CXX``, else ``c++``/``g++``) against the XLA FFI
 headers that ship with jaxlib (``jax.ffi.include_dir()``), and cached in
 ``$FUNCREPLAY_CACHE_DIR`` (default ``~/.cache/funcreplay``) under a name that
@@ -31,7 +31,7 @@ import jaxlib
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _UNITS = [os.path.join(_HERE, name) for name in ("kernels.cc", "direct.cc")]
-_HEADERS = [os.path.join(_HERE, name) for name in ("common.h", "sample_core.h")]
+_HEADERS = [os.path.join(_HERE, name) for name in ("common.h", "priorities_core.h", "sample_core.h")]
 _TARGETS = {"funcreplay_sample": "FuncreplaySample",
             "funcreplay_fifo_insert": "FuncreplayFifoInsert",
             "funcreplay_update_priorities": "FuncreplayUpdatePriorities"}

@@ -1,5 +1,6 @@
-// Direct host entry points: the sampling kernel run on a host Table's own CPU
-// buffers, called from Python (ctypes) instead of through a jitted program.
+// Direct host entry points: the sampling and priority-update kernels run on a
+// host Table's own CPU buffers, called from Python (ctypes) instead of
+// through a jitted program.
 //
 // A jitted call of ours costs ~25 us of dispatch for the 16-leaf state before
 // the kernel starts, and hands the batch out as a fresh XLA buffer that torch
@@ -10,16 +11,24 @@
 // what the jitted program does around the kernel (funcreplay/table.py's
 // ``_Ops.sample``): the eligible count (staleness version index), the rate
 // limiter and min_valid checks, and the key advance, bit for bit; then it runs
-// ``RunSample`` (sample_core.h), the very code the FFI handler runs.
+// ``RunSample`` (sample_core.h), the very code the FFI handler runs. A
+// priority update likewise runs ``RunUpdatePriorities`` (priorities_core.h),
+// after computing the weights priority**alpha that the jitted program
+// computes in XLA: XLA:CPU's float32 ``pow`` agreed with libm's ``powf`` on
+// every value tried (numpy's vectorised power differs on ~20% of them by an
+// ulp), so this file calls ``powf``; tests/test_direct.py compares the trees
+// bit for bit over many priorities and exponents.
 // funcreplay/native/direct.py is the Python side and says when this applies.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
 
 #include "common.h"
+#include "priorities_core.h"
 #include "sample_core.h"
 
 namespace funcreplay {
@@ -49,7 +58,7 @@ enum Config : size_t {
   kFixed,            // then: row bytes [n_data], packed offsets [n_data + 9],
                      // ledger layout [kLNumEntries + 3]
 };
-constexpr int64_t kAbiVersion = 1;
+constexpr int64_t kAbiVersion = 2;
 
 // Layout of the pointer vector.
 enum Pointer : size_t {
@@ -66,6 +75,23 @@ enum Pointer : size_t {
   kPBounds,      // int32[3] or null
   kPOut,         // uint8[out bytes]
   kPData,        // item leaves [C, ...]
+};
+
+// Layout of the int64 configuration vector of a priority update.
+enum UpdateConfig : size_t {
+  kUAbi = 0,        // kAbiVersion
+  kUCapacity,       // C slots
+  kUTreeNodes,      // 2P nodes of the weight tree (0: not prioritized)
+  kUAlphaBits,      // float32 bits of the priority exponent
+  kULedgerWords,    // words of the ledger
+  kUFixed,          // then: ledger layout [kLNumEntries + 3]
+};
+
+// Layout of the row pointers of a priority update (K rows each).
+enum UpdateRows : size_t {
+  kRSlots = 0,   // int32[K]
+  kRKeys,        // uint32[K]
+  kRPriorities,  // float32[K], as given
 };
 
 // Items with version >= thr: staleness.count_fresh, the O(1) / O(V) answers
@@ -179,5 +205,52 @@ extern "C" int funcreplay_direct_sample(const int64_t* cfg, void* const* ptrs, i
   flags[0] = ok ? 1 : 0;
   flags[1] = limiter_ok ? 1 : 0;
   flags[2] = cnt;
+  return 0;
+}
+
+// Applies K priority updates to the state in place, exactly as the jitted
+// Table.update_priorities with the native kernel. ptrs is the pointer vector
+// of funcreplay_direct_sample (only the occupied, keys, priority, weight tree
+// and ledger entries are read). Returns 0, or 1 (ABI mismatch), 2 (ledger
+// layout): the state is untouched in those cases.
+extern "C" int funcreplay_direct_update_priorities(const int64_t* cfg, void* const* ptrs,
+                                                   void* const* rows, int64_t k) {
+  if (cfg[kUAbi] != kAbiVersion) return 1;
+  UpdateJob job;
+  if (!job.ledger.Open(static_cast<uint32_t*>(ptrs[kPLedger]), cfg[kULedgerWords], cfg + kUFixed,
+                       kLNumEntries + 3)) {
+    return 2;
+  }
+  job.k = k;
+  job.slots = static_cast<const int32_t*>(rows[kRSlots]);
+  job.keys = static_cast<const uint32_t*>(rows[kRKeys]);
+  job.priorities = static_cast<const float*>(rows[kRPriorities]);
+  job.capacity = cfg[kUCapacity];
+  job.occupied = static_cast<const bool*>(ptrs[kPOccupied]);
+  job.item_keys = static_cast<const uint32_t*>(ptrs[kPKeys]);
+  job.priority = static_cast<float*>(ptrs[kPPriority]);
+  std::vector<float> weights;
+  if (cfg[kUTreeNodes] > 0) {
+    // The jitted update's weights (native/priorities.py): the sanitized
+    // priority, then indexes.sample_weight, where(p > 0, pow(max(p, 1e-30),
+    // alpha), 0) in float32. XLA:CPU calls libm's powf for that pow and
+    // flushes denormal results to zero; denormal inputs it treats one way or
+    // the other depending on the surrounding program, so Table sends calls
+    // with a denormal priority to the jitted update instead.
+    float alpha;
+    const uint32_t bits = static_cast<uint32_t>(cfg[kUAlphaBits]);
+    std::memcpy(&alpha, &bits, sizeof alpha);
+    weights.resize(static_cast<size_t>(k));
+    for (int64_t i = 0; i < k; ++i) {
+      const float x = job.priorities[i];
+      const float clean = BadPriority(x) ? 0.0f : x;
+      const float w = clean > 0.0f ? ::powf(std::max(clean, 1e-30f), alpha) : 0.0f;
+      weights[i] = w < std::numeric_limits<float>::min() ? 0.0f : w;
+    }
+    job.weights = weights.data();
+    job.wtree = static_cast<float*>(ptrs[kPWeightTree]);
+    job.p = cfg[kUTreeNodes] / 2;
+  }
+  RunUpdatePriorities(job);
   return 0;
 }

@@ -1,4 +1,5 @@
-"""Sampling a host ``Table``'s CPU state in place, without a jitted call (``direct.cc``).
+"""Sampling (and updating priorities of) a host ``Table``'s CPU state in place, without a
+jitted call (``direct.cc``).
 
 A ``Table.sample_packed(..., out=buf)`` on a CPU table normally costs a
 jitted call: ~25 us of dispatch for the 16-leaf state, the native kernel,
@@ -23,7 +24,13 @@ Applies (``unsupported`` returns None) to a spec the native sample kernel
 covers (``native.supports_sample``), sampled without ``where``, except a
 prioritized sampler with ``max_staleness`` (whose eligible weight is an O(C)
 float sum in JAX: the direct path could not reproduce its rounding, and the
-O(C) pass dominates that call anyway).
+O(C) pass dominates that call anyway). Where it applies, ``update_priorities``
+runs in place too (``RunUpdatePriorities``, the jitted update's kernel, with
+``priority**alpha`` from libm's ``powf``, which XLA:CPU's ``pow`` matches):
+the jitted update cost ~130 us of validation and dispatch, and the next
+direct sample then waited ~80 us for it (thread hand-off); in place it is
+~40 us in all. A call with a denormal priority still takes the jitted path
+(XLA treats denormal inputs one way or the other depending on the program).
 """
 
 from __future__ import annotations
@@ -40,12 +47,13 @@ from funcreplay.native import build
 from funcreplay.spec import TableSpec
 
 # The layout of direct.cc's configuration and pointer vectors.
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 (_ABI, _BATCH, _CAPACITY, _REPLACE, _MAX_TIMES, _RING, _N_DATA, _VERSION, _MIN_VALID,
  _MAX_STALENESS, _MIN_SIZE, _HAS_MIN_DIFF, _Q, _Q_MIN_BITS, _TREE_NODES, _HIST_SIZE,
  _LEDGER_WORDS, _KEY_WORDS, _OUT_BYTES, _FIXED) = range(20)
 (_P_KEY, _P_OCCUPIED, _P_KEYS, _P_VERSION, _P_TIMES, _P_PRIORITY, _P_OCC_TREE,
  _P_WEIGHT_TREE, _P_LEDGER, _P_HIST, _P_BOUNDS, _P_OUT, _P_DATA) = range(13)
+(_U_ABI, _U_CAPACITY, _U_TREE_NODES, _U_ALPHA_BITS, _U_LEDGER_WORDS, _U_FIXED) = range(6)
 _ERRORS = {1: "the Python and C++ sides disagree on the call layout (rebuild the kernels)",
            2: "the ledger layout does not fit the ledger (rebuild the kernels)",
            3: "the packed layout does not match the output buffer"}
@@ -82,8 +90,8 @@ def _pointer(x) -> int:
 
 
 class DirectSampler:
-  """The direct sample of one ``Table`` (configuration and buffer pointers; not thread-safe:
-  the table calls it under its lock)."""
+  """The direct sample and priority update of one ``Table`` (configuration and buffer
+  pointers; not thread-safe: the table calls it under its lock)."""
 
   def __init__(self, spec: TableSpec, ledger_layout: np.ndarray):
     lib = build.library()
@@ -119,6 +127,18 @@ class DirectSampler:
     self._flags_at = self._flags.ctypes.data
     self._bound = None  # the state whose pointers are in _ptrs
     self._key = None    # the key array whose pointer is in _ptrs
+    self._update_fn = lib.funcreplay_direct_update_priorities
+    self._update_fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    self._update_fn.restype = ctypes.c_int
+    ucfg = self._update_cfg = np.zeros(_U_FIXED + len(self._ledger_layout), np.int64)
+    ucfg[_U_ABI] = _ABI_VERSION
+    ucfg[_U_CAPACITY] = spec.capacity
+    if spec.prioritized:  # indexes.sample_weight: alpha as a float32 constant
+      ucfg[_U_ALPHA_BITS] = int(np.float32(spec.sampler.priority_exponent).view(np.uint32))
+    ucfg[_U_FIXED:] = self._ledger_layout
+    self._update_cfg_at = ucfg.ctypes.data
+    self._rows = np.zeros(3, np.uint64)
+    self._rows_at = self._rows.ctypes.data
 
   def layout(self, rows: int) -> packing.PackedLayout:
     return packing.layout(self.spec.signature, rows)
@@ -157,6 +177,8 @@ class DirectSampler:
     self._tree_nodes = state.occ_tree.shape[0]
     self._hist_size = state.version_hist.shape[0]
     self._ledger_words = state.ledger.shape[0]
+    self._update_cfg[_U_TREE_NODES] = state.weight_tree.shape[0]
+    self._update_cfg[_U_LEDGER_WORDS] = self._ledger_words
     self._bound = state
 
   def unbind(self) -> None:
@@ -184,3 +206,18 @@ class DirectSampler:
       raise RuntimeError(f"funcreplay direct sample: {_ERRORS.get(err, f'error {err}')}.")
     ok, limiter_ok, cnt = self._flags.tolist()
     return ok, limiter_ok, cnt
+
+  def update_priorities(self, slots: np.ndarray, keys: np.ndarray,
+                        priorities: np.ndarray) -> None:
+    """``update_priorities`` on the bound state, in place: ``slots`` int32[K], ``keys``
+    uint32[K], ``priorities`` float32[K] (as given), each C-contiguous (the caller made
+    them so). The weight tree gets ``priority**alpha`` from libm's ``powf``, as XLA:CPU
+    computes it in the jitted update."""
+    r = self._rows
+    r[0] = slots.ctypes.data
+    r[1] = keys.ctypes.data
+    r[2] = priorities.ctypes.data
+    err = self._update_fn(self._update_cfg_at, self._ptrs_at, self._rows_at, slots.shape[0])
+    if err:
+      raise RuntimeError(f"funcreplay direct update_priorities: "
+                         f"{_ERRORS.get(err, f'error {err}')}.")

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common.h"
+#include "priorities_core.h"
 #include "sample_core.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -316,47 +317,27 @@ ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int6
 // the winning rows), as ops.update_priorities.
 ffi::Error UpdatePrioritiesImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
                                 int64_t capacity, ffi::Span<const int64_t> ledger_layout) {
+  UpdateJob job;
   auto slots_buf = args.get<ffi::AnyBuffer>(0).value();
-  const int64_t k = static_cast<int64_t>(slots_buf.element_count());
-  const int32_t* slots = static_cast<const int32_t*>(slots_buf.untyped_data());
-  const uint32_t* want_keys = Ptr<uint32_t>(args, 1);
-  const float* prios = Ptr<float>(args, 2);
+  job.k = static_cast<int64_t>(slots_buf.element_count());
+  job.slots = static_cast<const int32_t*>(slots_buf.untyped_data());
+  job.keys = Ptr<uint32_t>(args, 1);
+  job.priorities = Ptr<float>(args, 2);
   auto w_buf = args.get<ffi::AnyBuffer>(3).value();
-  const float* weights =
+  job.weights =
       w_buf.element_count() > 0 ? static_cast<const float*>(w_buf.untyped_data()) : nullptr;
-  const bool* occupied = Ptr<bool>(rets, 0);
-  const uint32_t* keys = Ptr<uint32_t>(rets, 1);
-  float* priority = Ptr<float>(rets, 2);
+  job.capacity = capacity;
+  job.occupied = Ptr<bool>(rets, 0);
+  job.item_keys = Ptr<uint32_t>(rets, 1);
+  job.priority = Ptr<float>(rets, 2);
   auto wt_buf = rets.get<ffi::AnyBuffer>(3).value();
-  float* wtree = wt_buf->element_count() > 0 ? static_cast<float*>(wt_buf->untyped_data())
-                                             : nullptr;
-  const int64_t p = static_cast<int64_t>(wt_buf->element_count()) / 2;
-  Ledger ledger;
-  if (!OpenLedger(rets, 4, ledger_layout, &ledger)) {
+  job.wtree = wt_buf->element_count() > 0 ? static_cast<float*>(wt_buf->untyped_data())
+                                          : nullptr;
+  job.p = static_cast<int64_t>(wt_buf->element_count()) / 2;
+  if (!OpenLedger(rets, 4, ledger_layout, &job.ledger)) {
     return LedgerMismatch("funcreplay_update_priorities");
   }
-
-  SlotSet done(k);
-  std::vector<int64_t> changed;
-  float largest = 0.0f;
-  uint64_t n_bad = 0;
-  for (int64_t i = k - 1; i >= 0; --i) {  // backwards: the first hit is the last write
-    const int32_t s = slots[i];
-    if (s < 0 || s >= capacity || !occupied[s] || keys[s] != want_keys[i]) continue;
-    if (!done.Insert(s)) continue;
-    const bool bad = !std::isfinite(prios[i]) || prios[i] < 0.0f;
-    const float clean = bad ? 0.0f : prios[i];
-    n_bad += bad ? 1 : 0;
-    priority[s] = clean;
-    largest = std::max(largest, clean);
-    if (wtree != nullptr) {
-      wtree[p + s] = weights[i];
-      changed.push_back(p + s);
-    }
-  }
-  if (wtree != nullptr) RecomputeSumMany(wtree, std::move(changed));
-  ledger.SetFloat(kLMaxPriority, std::max(ledger.GetFloat(kLMaxPriority), largest));
-  ledger.Count(kLInvalidPriorities, n_bad);
+  RunUpdatePriorities(job);
   return ffi::Error::Success();
 }
 
