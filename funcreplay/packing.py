@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Optional, Tuple
 
 import jax
@@ -54,7 +55,8 @@ class PackedField:
 
   @property
   def nbytes(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+    # math.prod: np.prod costs ~4 us a call, and PackedSample.numpy reads this per field.
+    return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
