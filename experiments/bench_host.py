@@ -18,7 +18,11 @@ Then the latency of one ``Table.sample(256)`` (uniform, full table, until the
 batch is ready; a jitted call returning JAX arrays) and of one
 ``Table.sample_packed(256, out=np.empty(...))`` (the same draw written in place
 into a fresh numpy buffer without a jitted call, ``funcreplay.native.direct``)
-against cpprb ``sample(256)`` (a dict of fresh numpy arrays).
+against cpprb ``sample(256)`` (a dict of fresh numpy arrays). And prioritized
+sampling with a priority write-back, each side through its host API on a full
+table of ``--capacity`` items (``Prioritized``): ``sample_packed(256, out=...)``
++ ``update_priorities`` (both in place) against cpprb's
+``PrioritizedReplayBuffer.sample`` + ``update_priorities``.
 
 Configurations are measured round-robin (``--repeats`` rounds, the order of
 the two systems alternating), and the median is reported. Each ingestion row
@@ -152,15 +156,56 @@ class Funcreplay:
     return float(np.median(times))
 
 
+class Prioritized:
+  """Prioritized ``sample(256)`` + priority write-back through each side's host API, on two
+  full tables of ``capacity`` items (alpha 0.6; each writes back ``|reward| + 0.01`` of
+  the batch it drew): ``Table.sample_packed(256, out=...)`` + ``update_priorities`` (both in
+  place, no jitted call) against cpprb ``PrioritizedReplayBuffer.sample`` +
+  ``update_priorities``."""
+
+  def __init__(self, items, capacity):
+    import cpprb  # noqa: PLC0415 (optional peer)
+    self.table = Table(fr.TableSpec(capacity, items[0], sampler=fr.Prioritized(0.6)))
+    self.prb = cpprb.PrioritizedReplayBuffer(capacity, env_dict=_cpprb_env(), alpha=0.6)
+    n = min(capacity, 4096)
+    chunk = {key: np.stack([items[i % len(items)][key] for i in range(n)]) for key in items[0]}
+    for _ in range(-(-capacity // n)):
+      self.table.insert(chunk)
+      self.prb.add(**chunk)
+    self.out = np.empty(packing.layout(self.table.spec.signature, 256).nbytes, np.uint8)
+
+  def ours(self):
+    t = self.table
+    smp = t.sample_packed(256, out=self.out).numpy()
+    t.update_priorities(smp.info.slot, smp.info.key, np.abs(smp.data["reward"]) + 0.01)
+
+  def peer(self):
+    smp = self.prb.sample(256, beta=0.4)
+    self.prb.update_priorities(smp["indexes"], np.abs(smp["reward"]).reshape(-1) + 0.01)
+
+  @staticmethod
+  def latency(step, calls):
+    step()  # warm up (first call binds / compiles)
+    times = []
+    for _ in range(calls):
+      t0 = time.perf_counter()
+      step()
+      times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _cpprb_env():
+  return dict(obs=dict(shape=OBS, dtype=np.float32), action=dict(dtype=np.int32),
+              reward=dict(dtype=np.float32), discount=dict(dtype=np.float32),
+              next_obs=dict(shape=OBS, dtype=np.float32))
+
+
 class Cpprb:
   name = "cpprb ReplayBuffer.add (one lock)"
 
   def __init__(self, items, capacity):
     import cpprb  # noqa: PLC0415 (optional peer)
-    env = dict(obs=dict(shape=OBS, dtype=np.float32), action=dict(dtype=np.int32),
-               reward=dict(dtype=np.float32), discount=dict(dtype=np.float32),
-               next_obs=dict(shape=OBS, dtype=np.float32))
-    self.rb = cpprb.ReplayBuffer(capacity, env_dict=env)
+    self.rb = cpprb.ReplayBuffer(capacity, env_dict=_cpprb_env())
     self.items = items
     for it in items:
       self.rb.add(**it)
@@ -205,6 +250,7 @@ def measure(threads, items_per_run, capacity, batch_size, repeats, sample_calls)
   """Raw medians: {("fr"|"cpprb"|"cpprb_nolock", n): items/s, ("fr_put", n): ..., latencies}."""
   items = make_items()
   frp, cp = Funcreplay(items, capacity, batch_size), Cpprb(items, capacity)
+  prio = Prioritized(items, capacity)
   raw: dict = {}
   for r in range(repeats):
     for n in threads:
@@ -229,6 +275,9 @@ def measure(threads, items_per_run, capacity, batch_size, repeats, sample_calls)
       raw.setdefault(key, []).append(sysm.sample_latency(sample_calls))
       if key == "fr_sample":
         raw.setdefault("fr_sample_into", []).append(sysm.sample_into_latency(sample_calls))
+    for key, step in ([("fr_prio", prio.ours), ("cpprb_prio", prio.peer)] if r % 2 == 0
+                      else [("cpprb_prio", prio.peer), ("fr_prio", prio.ours)]):
+      raw.setdefault(key, []).append(prio.latency(step, sample_calls))
   return {k: float(np.median(v)) for k, v in raw.items()}, item_bytes(items[0])
 
 
@@ -256,6 +305,12 @@ def rows_from(med, threads):
   rows.append(dict(section="host_sample",
                    case="sample_packed(256, out=np.empty(...)) latency (in place, no jit)",
                    funcreplay=ours * 1e6, peer=peer * 1e6, peer_name="cpprb ReplayBuffer.sample",
+                   unit="us", ratio=peer / ours))
+  ours, peer = med["fr_prio"], med["cpprb_prio"]
+  rows.append(dict(section="host_sample",
+                   case="prioritized sample_packed(256, out=...) + update_priorities latency",
+                   funcreplay=ours * 1e6, peer=peer * 1e6,
+                   peer_name="cpprb PrioritizedReplayBuffer.sample + update_priorities",
                    unit="us", ratio=peer / ours))
   return rows
 
