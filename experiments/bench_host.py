@@ -158,10 +158,10 @@ class Funcreplay:
 
 class Prioritized:
   """Prioritized ``sample(256)`` + priority write-back through each side's host API, on two
-  full tables of ``capacity`` items (alpha 0.6; each writes back ``|reward| + 0.01`` of
-  the batch it drew): ``Table.sample_packed(256, out=...)`` + ``update_priorities`` (both in
-  place, no jitted call) against cpprb ``PrioritizedReplayBuffer.sample`` +
-  ``update_priorities``."""
+  full tables of ``capacity`` items (alpha 0.6; importance weights with beta 0.4; each
+  writes back ``|reward| + 0.01`` of the batch it drew): ``Table.sample_packed(256,
+  out=...)`` + ``update_priorities`` (both in place, no jitted call) against cpprb
+  ``PrioritizedReplayBuffer.sample`` + ``update_priorities``."""
 
   def __init__(self, items, capacity):
     import cpprb  # noqa: PLC0415 (optional peer)
@@ -177,6 +177,9 @@ class Prioritized:
   def ours(self):
     t = self.table
     smp = t.sample_packed(256, out=self.out).numpy()
+    # Importance weights (beta 0.4), as cpprb's sample computes them (a learner's input).
+    w = (np.maximum(smp.info.probability, 1e-30) * float(smp.num_eligible)) ** -0.4
+    self.weights = np.where(smp.valid, w, 0.0) / w[smp.valid].max()
     t.update_priorities(smp.info.slot, smp.info.key, np.abs(smp.data["reward"]) + 0.01)
 
   def peer(self):

@@ -668,7 +668,9 @@ class Table:
 
     Accepts numpy, JAX, or anything with ``__array__``. A table that samples
     in place (``samples_in_place``) updates in place too, with the same
-    kernel and without a jitted call (unless a priority is denormal).
+    kernel and without a jitted call (unless a priority is denormal, or the
+    sampler's exponent is 0.5 or a whole number >= 2), and synchronously: it first
+    waits for the table's pending jitted work.
     """
     self._check_open("update_priorities")
     s, k = self._slots_keys(slots, keys, "Table.update_priorities")
@@ -679,7 +681,7 @@ class Table:
       direct = self._direct_sampler()
       # In place, like a direct sample (funcreplay.native.direct); a denormal priority
       # goes through XLA, whose treatment of one the direct path does not reproduce.
-      if direct is not None and not _has_denormal(p, s >= 0):
+      if direct is not None and direct.updates_in_place and not _has_denormal(p, s >= 0):
         self._check_open("update_priorities")
         self._settle(direct)
         direct.update_priorities(s, k, p)

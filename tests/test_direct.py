@@ -163,10 +163,11 @@ def test_direct_packed_bytes_match_sample():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.6, 1.0, 1.7, 2.0])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.6, 1.0, 1.7, 2.0, 2.5, 3.0, 3])
 def test_direct_priority_update_matches_jitted_bit_for_bit(alpha, monkeypatch):
   """The direct update computes priority**alpha with libm's powf, the jitted one in XLA:
-  the weight trees (and the rest of the state) must agree to the bit."""
+  the weight trees (and the rest of the state) must agree to the bit. A whole-number
+  alpha >= 2 (a product in XLA, not powf) always takes the jitted path."""
   require_native_kernels()
   spec = fr.TableSpec(64, _item(), sampler=fr.Prioritized(alpha), remover=fr.Uniform())
   direct, ref = fr.Table(spec, seed=5), fr.Table(spec, seed=5)
@@ -183,15 +184,19 @@ def test_direct_priority_update_matches_jitted_bit_for_bit(alpha, monkeypatch):
     slots = rng.integers(-1, 64, k).astype(np.int32)  # duplicates: the last one wins
     row_keys = keys[np.maximum(slots, 0)].copy()
     row_keys[rng.random(k) < 0.1] += 1  # stale keys: ignored
-    # Normal floats from 1e-39 up (weights that underflow to denormals: flushed to 0),
-    # zeros, the largest float; every other round a denormal, which goes through XLA.
-    edge = [0.0, 1.2e-38, 1e-30, 1e-29, 1e-20, 3.4e38, 1.0, 2.0]
-    p = np.concatenate([rng.random(k), np.exp(rng.uniform(-87, 88, k)), edge])
+    # Normal floats from 1e-38 up (weights that underflow to denormals: flushed to 0)
+    # to where 64 weights still sum to a finite float, zeros; every other round a
+    # denormal, which goes through XLA.
+    top = 80 / max(alpha, 1)
+    edge = [0.0, 1.2e-38, 1e-30, 1e-29, 1e-20, float(np.exp(top)), 1.0, 2.0, 3.239208]
+    p = np.concatenate([rng.random(k), np.exp(rng.uniform(-87, top, k)), edge])
     p = rng.permutation(p)[:k].astype(np.float32)
     p[slots < 0] = np.nan  # ignored rows may hold anything
     if r % 2 and (slots >= 0).any():
       p[np.argmax(slots >= 0)] = 1e-45
       denormal_rounds.append("update_priorities")
+    elif (alpha >= 2 and float(alpha).is_integer()) or alpha == 0.5:
+      denormal_rounds.append("update_priorities")  # every update: the jitted path
     for t in (direct, ref):
       t.update_priorities(slots, row_keys, p)
     _assert_same_state(direct, ref)
@@ -199,6 +204,30 @@ def test_direct_priority_update_matches_jitted_bit_for_bit(alpha, monkeypatch):
   _sample_both(direct, ref, 32)
   _assert_same_state(direct, ref)
   assert direct.stats().to_dict() == ref.stats().to_dict()
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.6, 0.7, 1.5, 1.7, 2.5])
+def test_direct_priority_weights_match_xla_over_many_floats(alpha):
+  """~50k priorities per exponent, spread over the normal float32 range, through both
+  update paths: the weight trees must be identical. (Alpha 0.5 failed this: XLA takes
+  a square root there, so such tables update through XLA.)"""
+  require_native_kernels()
+  spec = fr.TableSpec(4096, {"a": np.zeros((), np.int32)}, sampler=fr.Prioritized(alpha))
+  direct, ref = fr.Table(spec, seed=1), fr.Table(spec, seed=1)
+  ref._direct = False  # noqa: SLF001
+  for t in (direct, ref):
+    t.insert({"a": np.arange(4096, dtype=np.int32)})
+  keys = np.asarray(direct.snapshot().key)
+  slots = np.arange(4096, dtype=np.int32)
+  rng = np.random.default_rng(7)
+  for r in range(12):
+    top = 80 / max(alpha, 1)  # weights summing to a finite float
+    p = [rng.random(4096), np.exp(rng.uniform(-87, top, 4096)), rng.uniform(0, 10, 4096)][r % 3]
+    for t in (direct, ref):
+      t.update_priorities(slots, keys, p.astype(np.float32))
+    wd = np.asarray(direct.snapshot().weight_tree)
+    wr = np.asarray(ref.snapshot().weight_tree)
+    np.testing.assert_array_equal(wd.view(np.uint32), wr.view(np.uint32))
 
 
 def test_samples_in_place_only_where_it_applies():

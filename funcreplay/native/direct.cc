@@ -14,10 +14,12 @@
 // ``RunSample`` (sample_core.h), the very code the FFI handler runs. A
 // priority update likewise runs ``RunUpdatePriorities`` (priorities_core.h),
 // after computing the weights priority**alpha that the jitted program
-// computes in XLA: XLA:CPU's float32 ``pow`` agreed with libm's ``powf`` on
-// every value tried (numpy's vectorised power differs on ~20% of them by an
-// ulp), so this file calls ``powf``; tests/test_direct.py compares the trees
-// bit for bit over many priorities and exponents.
+// computes in XLA: for a non-integer exponent XLA:CPU's float32 ``pow``
+// agreed with libm's ``powf`` on every value tried (numpy's vectorised power
+// differs on ~20% of them by an ulp), so this file calls ``powf``. A
+// whole-number exponent >= 2 JAX computes by multiplication, and 0.5 XLA by
+// a square root: such tables do not update here (direct.py). tests/test_direct.py compares the trees bit
+// for bit over many priorities and exponents.
 // funcreplay/native/direct.py is the Python side and says when this applies.
 
 #include <algorithm>
@@ -233,9 +235,10 @@ extern "C" int funcreplay_direct_update_priorities(const int64_t* cfg, void* con
   if (cfg[kUTreeNodes] > 0) {
     // The jitted update's weights (native/priorities.py): the sanitized
     // priority, then indexes.sample_weight, where(p > 0, pow(max(p, 1e-30),
-    // alpha), 0) in float32. XLA:CPU calls libm's powf for that pow and
-    // flushes denormal results to zero; denormal inputs it treats one way or
-    // the other depending on the surrounding program, so Table sends calls
+    // alpha), 0) in float32. XLA:CPU calls libm's powf for that pow (not for
+    // alpha 0.5 or a whole number >= 2: direct.py keeps those off this path)
+    // and flushes denormal results to zero; denormal inputs it treats one way
+    // or the other depending on the surrounding program, so Table sends calls
     // with a denormal priority to the jitted update instead.
     float alpha;
     const uint32_t bits = static_cast<uint32_t>(cfg[kUAlphaBits]);

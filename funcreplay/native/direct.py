@@ -26,11 +26,14 @@ prioritized sampler with ``max_staleness`` (whose eligible weight is an O(C)
 float sum in JAX: the direct path could not reproduce its rounding, and the
 O(C) pass dominates that call anyway). Where it applies, ``update_priorities``
 runs in place too (``RunUpdatePriorities``, the jitted update's kernel, with
-``priority**alpha`` from libm's ``powf``, which XLA:CPU's ``pow`` matches):
+``priority**alpha`` from libm's ``powf``, which XLA:CPU calls for ``pow``):
 the jitted update cost ~130 us of validation and dispatch, and the next
 direct sample then waited ~80 us for it (thread hand-off); in place it is
 ~40 us in all. A call with a denormal priority still takes the jitted path
-(XLA treats denormal inputs one way or the other depending on the program).
+(XLA treats denormal inputs one way or the other depending on the program),
+and so does every update of a table whose ``alpha`` is a whole number >= 2
+or 0.5 (JAX / XLA compute those powers by multiplication or a square root,
+not ``powf``).
 """
 
 from __future__ import annotations
@@ -133,8 +136,15 @@ class DirectSampler:
     ucfg = self._update_cfg = np.zeros(_U_FIXED + len(self._ledger_layout), np.int64)
     ucfg[_U_ABI] = _ABI_VERSION
     ucfg[_U_CAPACITY] = spec.capacity
+    # Whether update_priorities may run here: XLA:CPU computes p**alpha with libm's powf,
+    # except for a whole-number alpha >= 2, which JAX turns into multiplications, and
+    # alpha 0.5, which XLA turns into a square root (each an ulp away from powf on some
+    # inputs): those tables update through the jitted path.
+    self.updates_in_place = True
     if spec.prioritized:  # indexes.sample_weight: alpha as a float32 constant
-      ucfg[_U_ALPHA_BITS] = int(np.float32(spec.sampler.priority_exponent).view(np.uint32))
+      alpha = spec.sampler.priority_exponent
+      ucfg[_U_ALPHA_BITS] = int(np.float32(alpha).view(np.uint32))
+      self.updates_in_place = not ((alpha >= 2 and float(alpha).is_integer()) or alpha == 0.5)
     ucfg[_U_FIXED:] = self._ledger_layout
     self._update_cfg_at = ucfg.ctypes.data
     self._rows = np.zeros(3, np.uint64)
@@ -212,7 +222,7 @@ class DirectSampler:
     """``update_priorities`` on the bound state, in place: ``slots`` int32[K], ``keys``
     uint32[K], ``priorities`` float32[K] (as given), each C-contiguous (the caller made
     them so). The weight tree gets ``priority**alpha`` from libm's ``powf``, as XLA:CPU
-    computes it in the jitted update."""
+    computes it in the jitted update (callers check ``updates_in_place`` first)."""
     r = self._rows
     r[0] = slots.ctypes.data
     r[1] = keys.ctypes.data

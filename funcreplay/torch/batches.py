@@ -100,7 +100,8 @@ class TorchBatch:
   The tensors of a sampled batch are views of one buffer (zero copy), so
   ``torch.save(batch.data)`` refuses them ("view the same data as different
   types"): save ``batch.clone().data``, or the batch itself (``torch.save``
-  and ``copy.deepcopy`` of a ``TorchBatch`` or ``TorchInfo`` store copies).
+  and ``copy.deepcopy`` of a ``TorchBatch`` or ``TorchInfo`` store copies;
+  load it with ``torch.load(..., weights_only=False)``).
   """
 
   data: Any
