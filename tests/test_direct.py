@@ -163,7 +163,7 @@ def test_direct_packed_bytes_match_sample():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.6, 1.0, 1.7, 2.0, 3])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.6, 1.0, 1.7, 2.0])
 def test_direct_priority_update_matches_jitted_bit_for_bit(alpha, monkeypatch):
   """The direct update computes priority**alpha with libm's powf, the jitted one in XLA:
   the weight trees (and the rest of the state) must agree to the bit. A whole-number
