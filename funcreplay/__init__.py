@@ -5,6 +5,7 @@ transformed by pure, jit-compatible functions built by ``make_table(spec)``.
 """
 
 from funcreplay import checkpoint, counters, native
+from funcreplay.caches import clear_caches
 from funcreplay.checkpoint import CheckpointError, PeriodicCheckpointer, restore, save
 from funcreplay.functional import FunctionalTable, make_table
 from funcreplay.ingest import (
@@ -37,5 +38,5 @@ __all__ = [
     "CheckpointError", "PeriodicCheckpointer", "save", "restore", "Ingestor",
     "IngestorClosedError", "IngestorError", "IngestorFullError", "IngestorStats",
     "SequenceWriter", "WriterStats", "sequence_signature", "native", "PackedSample",
-    "PackedLayout", "PackedField",
+    "PackedLayout", "PackedField", "clear_caches",
 ]

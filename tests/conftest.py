@@ -39,3 +39,22 @@ def both_implementations(request):
   native.set_default(request.param == "native")
   yield request.param
   native.set_default(previous)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """Drop every cached compiled program after each test module.
+
+  Each XLA:CPU executable holds ~3 memory mappings and a process may have
+  65530 (``vm.max_map_count``). Without this a pytest-xdist worker reached
+  ~65,160 mappings by the end of the suite, and runs that crossed the limit
+  died inside a later XLA compilation (segfault or abort, at a different
+  test each time). Modules share few programs, so recompiling costs little.
+  """
+  yield
+  import gc
+
+  import funcreplay
+
+  funcreplay.clear_caches()
+  gc.collect()
