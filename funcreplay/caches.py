@@ -1,9 +1,10 @@
 """Dropping the compiled programs funcreplay caches.
 
-funcreplay keeps the jitted operations of a ``Table`` per spec (the last 64
-specs) and a checkpoint migration's rebuild per spec (the last 16), so a new
-``Table`` of a known spec compiles nothing. Each compiled XLA:CPU program
-holds a few memory mappings, and a process may have at most
+funcreplay keeps the jitted operations of a ``Table`` per spec and
+implementation (the last 64 pairs) and a checkpoint migration's rebuild per
+spec (the last 16), so a new ``Table`` of a known spec compiles nothing.
+Each compiled XLA:CPU program holds a few memory mappings, and a process
+may have at most
 ``vm.max_map_count`` (65530 by default) of them: a long-lived process that
 compiles many thousands of programs (a test suite, a sweep building tables
 of many specs and batch sizes) can run out, and XLA then fails inside a

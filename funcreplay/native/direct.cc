@@ -18,8 +18,9 @@
 // agreed with libm's ``powf`` on every value tried (numpy's vectorised power
 // differs on ~20% of them by an ulp), so this file calls ``powf``. A
 // whole-number exponent >= 2 JAX computes by multiplication, and 0.5 XLA by
-// a square root: such tables do not update here (direct.py). tests/test_direct.py compares the trees bit
-// for bit over many priorities and exponents.
+// a square root: such tables do not update here (direct.py).
+// tests/test_direct.py compares the trees bit for bit over many priorities
+// and exponents.
 // funcreplay/native/direct.py is the Python side and says when this applies.
 
 #include <algorithm>
