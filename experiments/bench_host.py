@@ -17,7 +17,7 @@ next_obs float32[64]) until ``--items`` items are in:
 Then the latency of one ``Table.sample(256)`` (uniform, full table, until the
 batch is ready; a jitted call returning JAX arrays) and of one
 ``Table.sample_packed(256, out=np.empty(...))`` (the same draw written in place
-into a fresh numpy buffer without a jitted call, ``funcreplay.native.direct``)
+into a fresh numpy buffer without a jitted call, ``funcreplay.host.direct``)
 against cpprb ``sample(256)`` (a dict of fresh numpy arrays). And prioritized
 sampling with a priority write-back, each side through its host API on a full
 table of ``--capacity`` items (``Prioritized``): ``sample_packed(256, out=...)``
@@ -44,8 +44,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
-from funcreplay import packing  # noqa: E402
-from funcreplay.table import Table  # noqa: E402
+from funcreplay.core import packing  # noqa: E402
+from funcreplay.host.table import Table  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("threads", "1,4,8", "comma-separated producer thread counts")

@@ -27,7 +27,7 @@ from absl import app, flags  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
-from funcreplay import sharding as frs  # noqa: E402
+from funcreplay import distributed as frs  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("devices", "1,2,4,8", "comma-separated shard counts")

@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 import funcreplay as fr  # noqa: E402
 import funcreplay.torch as frt  # noqa: E402
-from funcreplay import packing  # noqa: E402
+from funcreplay.core import packing  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("capacity", 1 << 17, "items in every buffer (filled completely)")

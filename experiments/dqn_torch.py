@@ -50,7 +50,7 @@ import funcreplay as fr  # noqa: E402
 import funcreplay.torch as frt  # noqa: E402
 
 try:
-  from funcreplay.ingest import IngestorClosedError
+  from funcreplay.host.ingest import IngestorClosedError
 except ImportError:  # funcreplay.ingest not in this checkout: actors insert directly
   class IngestorClosedError(RuntimeError):
     """Placeholder (never raised)."""

@@ -2,32 +2,76 @@
 
 The buffer is a value (``TableState``, a pytree of preallocated arrays)
 transformed by pure, jit-compatible functions built by ``make_table(spec)``.
+
+The package is layered (README "Layout"): ``core`` (pure) <- ``native`` (the
+optional CPU kernels) <- ``host`` (``Table``, ``Ingestor``, writers) <-
+``distributed`` / ``checkpoint`` <- ``interop`` (``funcreplay.torch``).
+``import funcreplay`` loads only the core; every name of a higher layer is
+imported on first use (PEP 562 ``__getattr__``), so pure in-jit use pulls in
+no threads, ctypes or compiler machinery.
 """
 
-from funcreplay import checkpoint, counters, native
-from funcreplay.caches import clear_caches
-from funcreplay.checkpoint import CheckpointError, PeriodicCheckpointer, restore, save
-from funcreplay.functional import FunctionalTable, make_table
-from funcreplay.ingest import (
-    Ingestor,
-    IngestorClosedError,
-    IngestorError,
-    IngestorFullError,
-    IngestorStats,
-)
-from funcreplay.ops import Stats
-from funcreplay.packing import PackedField, PackedLayout, PackedSample
-from funcreplay.rate_limiters import MinSize, Queue, RateLimiter, SampleToInsertRatio, Stack
-from funcreplay.sampling import importance_weights
-from funcreplay.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform
-from funcreplay.sharding import ShardedTable, make_sharded_table
-from funcreplay.signature import Signature, check_items
-from funcreplay.spec import TableSpec, queue, stack
-from funcreplay.state import Sample, SampleInfo, TableState, state_counters
-from funcreplay.table import Table, TableClosedError
-from funcreplay.writers import SequenceWriter, WriterStats, sequence_signature
+from __future__ import annotations
+
+import importlib
+
+from funcreplay.core import counters
+from funcreplay.core.caches import clear_caches
+from funcreplay.core.functional import FunctionalTable
+from funcreplay.core.ops import Stats
+from funcreplay.core.packing import PackedField, PackedLayout, PackedSample
+from funcreplay.core.rate_limiters import MinSize, Queue, RateLimiter, SampleToInsertRatio, Stack
+from funcreplay.core.sampling import importance_weights
+from funcreplay.core.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform
+from funcreplay.core.signature import Signature, check_items
+from funcreplay.core.spec import TableSpec, queue, stack
+from funcreplay.core.state import Sample, SampleInfo, TableState, state_counters
 
 __version__ = "0.1.0"
+
+# Public name -> (module, attribute; None: the module itself), imported on first use.
+_LAZY = {
+    "make_table": ("funcreplay.native.functional", "make_table"),
+    "native": ("funcreplay.native", None),
+    "Table": ("funcreplay.host.table", "Table"),
+    "TableClosedError": ("funcreplay.host.table", "TableClosedError"),
+    "Ingestor": ("funcreplay.host.ingest", "Ingestor"),
+    "IngestorClosedError": ("funcreplay.host.ingest", "IngestorClosedError"),
+    "IngestorError": ("funcreplay.host.ingest", "IngestorError"),
+    "IngestorFullError": ("funcreplay.host.ingest", "IngestorFullError"),
+    "IngestorStats": ("funcreplay.host.ingest", "IngestorStats"),
+    "SequenceWriter": ("funcreplay.host.writers", "SequenceWriter"),
+    "WriterStats": ("funcreplay.host.writers", "WriterStats"),
+    "sequence_signature": ("funcreplay.host.writers", "sequence_signature"),
+    "ShardedTable": ("funcreplay.distributed", "ShardedTable"),
+    "make_sharded_table": ("funcreplay.distributed", "make_sharded_table"),
+    "checkpoint": ("funcreplay.checkpoint", None),
+    "CheckpointError": ("funcreplay.checkpoint", "CheckpointError"),
+    "PeriodicCheckpointer": ("funcreplay.checkpoint", "PeriodicCheckpointer"),
+    "save": ("funcreplay.checkpoint", "save"),
+    "restore": ("funcreplay.checkpoint", "restore"),
+}
+
+
+def __getattr__(name: str):
+  if name not in _LAZY:
+    raise AttributeError(f"module 'funcreplay' has no attribute {name!r}")
+  module, attr = _LAZY[name]
+  if module.startswith("funcreplay.host"):
+    # Table.save / Table.restore live in the layer above the host
+    # (funcreplay.checkpoint registers them on import): a Table from the
+    # public name has them.
+    importlib.import_module("funcreplay.checkpoint")
+  value = importlib.import_module(module)
+  if attr is not None:
+    value = getattr(value, attr)
+  globals()[name] = value  # later lookups skip __getattr__
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "FunctionalTable", "make_table", "Stats", "MinSize", "Queue", "RateLimiter",

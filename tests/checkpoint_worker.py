@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 import funcreplay as fr  # noqa: E402
 from funcreplay import checkpoint as ck  # noqa: E402
-from funcreplay import sharding as frs  # noqa: E402
+from funcreplay import distributed as frs  # noqa: E402
 
 ROW = 4096  # int32 per item: 16 KiB items, 64 items -> 1 MiB checkpoints
 

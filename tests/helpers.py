@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import funcreplay as fr
-from funcreplay import counters as ctr
-from funcreplay import indexes
+from funcreplay.core import counters as ctr
+from funcreplay.core import indexes
 
 ITEM = {"x": jax.ShapeDtypeStruct((), jnp.int32), "y": jax.ShapeDtypeStruct((2,), jnp.float32)}
 

@@ -26,7 +26,7 @@ def main(port: int, pid: int, nproc: int):
   from jax.experimental import multihost_utils
 
   import funcreplay as fr
-  from funcreplay import sharding as frs
+  from funcreplay import distributed as frs
 
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   n = mesh.shape["data"]

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import funcreplay as fr
 from funcreplay import checkpoint as ck
-from funcreplay import counters as ctr
+from funcreplay.core import counters as ctr
 from funcreplay.checkpoint import format as fmt
 from funcreplay.checkpoint import spec_codec
 

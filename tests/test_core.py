@@ -14,8 +14,8 @@ from jax import lax
 from scipy import stats as sstats
 
 import funcreplay as fr
-from funcreplay import counters as ctr
-from funcreplay import indexes
+from funcreplay.core import counters as ctr
+from funcreplay.core import indexes
 from tests.helpers import ITEM, counters_dict, items_from_ids, jitted
 
 # Every test here runs against both implementations (see conftest.py).
@@ -69,7 +69,7 @@ def test_uniform_without_replacement_is_uniform_over_eligible():
 
 def test_ring_window_tracks_holes():
   """A Fifo table samples by ring position exactly while size == filled."""
-  from funcreplay import sampling
+  from funcreplay.core import sampling
   spec = fr.TableSpec(16, ITEM)
   f = jitted(spec)
   window = lambda st: tuple(int(x) for x in sampling.ring_window(spec, st))  # noqa: E731
@@ -370,7 +370,7 @@ def test_where_mask_shape_is_checked():
                                               st.booleans()), min_size=1, max_size=12))
 def test_count_tree_refresh_equals_rebuild(capacity, updates):
   """The one-scatter-add refresh of the occupancy tree matches a from-scratch build."""
-  from funcreplay import trees
+  from funcreplay.core import trees
   p = 1 << max(0, (capacity - 1).bit_length())
   leaves = np.zeros(p, np.int32)
   tree = trees.build_sum(jnp.asarray(leaves))
@@ -392,7 +392,7 @@ def test_count_tree_refresh_equals_rebuild(capacity, updates):
                                      min_size=1, max_size=6), st.integers(0, 2**16))
 def test_sum_tree_block_refresh_is_bit_identical(capacity, updates, seed):
   """Few updates recompute 4 levels per step; many go level by level: same bits."""
-  from funcreplay import trees
+  from funcreplay.core import trees
   p = 1 << max(0, (capacity - 1).bit_length())
   leaves = np.random.default_rng(seed).random(p).astype(np.float32)
   tree = trees.build_sum(jnp.asarray(leaves))

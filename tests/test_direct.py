@@ -1,4 +1,4 @@
-"""Direct host sampling (``Table.sample_packed(out=...)``, ``funcreplay.native.direct``).
+"""Direct host sampling (``Table.sample_packed(out=...)``, ``funcreplay.host.direct``).
 
 A CPU table on the native kernels samples in place into the caller's buffer
 without a jitted call. It must be indistinguishable from the jitted path:
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import funcreplay as fr
 import funcreplay.torch as frt
-from funcreplay import packing
+from funcreplay.core import packing
 from tests.helpers import require_native_kernels
 
 OBS = 3

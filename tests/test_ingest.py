@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 
 import funcreplay as fr
-from funcreplay.ingest import (
+from funcreplay.host.ingest import (
   Ingestor,
   IngestorClosedError,
   IngestorError,
   IngestorFullError,
 )
-from funcreplay.itemcheck import ItemChecker, stack_leaf
-from funcreplay.table import Table, TableClosedError
+from funcreplay.host.itemcheck import ItemChecker, stack_leaf
+from funcreplay.host.table import Table, TableClosedError
 from tests.helpers import ITEM
 
 PLAIN = fr.TableSpec(256, ITEM)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcreplay as fr
-from funcreplay import packing
+from funcreplay.core import packing
 
 pytestmark = pytest.mark.usefixtures("both_implementations")
 

@@ -12,7 +12,7 @@ from jax import lax
 from scipy import stats as sstats
 
 import funcreplay as fr
-from funcreplay import indexes
+from funcreplay.core import indexes
 from tests.helpers import ITEM, counters_dict, items_from_ids, jitted
 
 # Every test here runs against both implementations (see conftest.py).

@@ -24,7 +24,7 @@ import pytest
 from scipy import stats as sps
 
 import funcreplay as fr
-from funcreplay import sharding as frs
+from funcreplay import distributed as frs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -14,7 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcreplay as fr
-from funcreplay import checkpoint, indexes, ops, staleness
+from funcreplay import checkpoint
+from funcreplay.core import indexes
+from funcreplay.core import ops
+from funcreplay.core import staleness
 from tests.helpers import ITEM, assert_trees_consistent, items_from_ids, jitted
 
 # Every test here runs against both implementations (see conftest.py).

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcreplay as fr
-from funcreplay import counters as ctr
-from funcreplay import state as state_lib
+from funcreplay.core import counters as ctr
+from funcreplay.core import state as state_lib
 from tests.helpers import ITEM, items_from_ids
 
 U32 = st.integers(0, 2**32 - 1)

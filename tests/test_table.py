@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import funcreplay as fr
-from funcreplay.table import Table, TableClosedError
+from funcreplay.host.table import Table, TableClosedError
 from tests.helpers import ITEM, counters_dict, items_from_ids, jitted
 
 # Every test here runs against both implementations (see conftest.py).
@@ -515,7 +515,7 @@ def test_same_seed_same_samples_and_restore_continues_the_stream():
 
 
 def test_clear_caches_drops_compiled_programs_and_tables_keep_working():
-  from funcreplay import table as table_lib
+  from funcreplay.host import table as table_lib
 
   a, b = Table(SPEC, seed=3), Table(SPEC, seed=3)
   a.insert(np_items([1, 2, 3]))

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import funcreplay as fr
-from funcreplay.table import Table
-from funcreplay.writers import SequenceWriter, sequence_signature
+from funcreplay.host.table import Table
+from funcreplay.host.writers import SequenceWriter, sequence_signature
 
 STEP = {"id": jax.ShapeDtypeStruct((), jnp.int32), "obs": jax.ShapeDtypeStruct((2,), jnp.float32)}
 

@@ -19,14 +19,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import jax
 import numpy as np
 
-from funcreplay import sharding as shd
-from funcreplay import staleness
-from funcreplay import state as state_lib
+from funcreplay import distributed as shd
+from funcreplay.core import staleness
+from funcreplay.core import state as state_lib
 from funcreplay.checkpoint import format as fmt
 from funcreplay.checkpoint import layout, migrate, spec_codec
 from funcreplay.checkpoint.errors import CheckpointError
-from funcreplay.spec import TableSpec
-from funcreplay.state import TableState
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import TableState
+from funcreplay.core import caches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,9 @@ def _expected(spec: TableSpec, num_shards: Optional[int]) -> Tuple[Any, Tuple[An
   lead = () if num_shards is None else (num_shards,)
   return treedef, tuple((_leaf_name(p), lead + tuple(s.shape), np.dtype(s.dtype))
                         for p, s in leaves)
+
+
+caches.register("checkpoint.core.expected", _expected.cache_clear)
 
 
 def _num_shards(state: TableState, spec: TableSpec) -> Optional[int]:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from funcreplay.checkpoint import core, layout
 from funcreplay.checkpoint.errors import CheckpointError
-from funcreplay.spec import TableSpec
+from funcreplay.core.spec import TableSpec
 
 
 def snapshot_table(table):
@@ -74,7 +74,7 @@ def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_grow
   Returns:
     ``funcreplay.Table`` with the saved state, PRNG key and policy version.
   """
-  from funcreplay.table import Table  # noqa: PLC0415 (table imports this package lazily)
+  from funcreplay.host.table import Table  # noqa: PLC0415 (table imports this package lazily)
   r = core.restore(path, spec, allow_capacity_growth=allow_capacity_growth, as_numpy=True,
                    verify=verify)
   if r.num_shards is not None:

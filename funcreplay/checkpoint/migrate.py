@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcreplay import indexes
-from funcreplay import selectors as sel
-from funcreplay import state as state_lib
-from funcreplay.spec import TableSpec
-from funcreplay.state import TableState
+from funcreplay.core import indexes
+from funcreplay.core import selectors as sel
+from funcreplay.core import state as state_lib
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import TableState
+from funcreplay.core import caches
 
 _COLUMNS = ("occupied", "key", "version", "times_sampled", "priority")
 
@@ -75,6 +76,9 @@ def grow(old: TableSpec, new: TableSpec, state: TableState) -> TableState:
 def _rebuild(spec: TableSpec):
   """``indexes.rebuild`` for ``spec``, jitted once per spec (the eager version is slow)."""
   return jax.jit(functools.partial(indexes.rebuild, spec))
+
+
+caches.register("checkpoint.migrate.rebuild", _rebuild.cache_clear)
 
 
 def grow_sharded(old: TableSpec, new: TableSpec, state: TableState, num_shards: int) -> TableState:

@@ -94,7 +94,7 @@ class PeriodicCheckpointer:
       return path
 
   def _run(self):
-    from funcreplay.table import TableClosedError  # noqa: PLC0415
+    from funcreplay.host.table import TableClosedError  # noqa: PLC0415
     wait = _POLL_S if self._every_inserts is not None else min(self._every_s, _POLL_S * 4)
     try:
       while not self._stop.wait(wait):

@@ -20,11 +20,11 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-from funcreplay import rate_limiters as rl
-from funcreplay import selectors as sel
+from funcreplay.core import rate_limiters as rl
+from funcreplay.core import selectors as sel
 from funcreplay.checkpoint.errors import CheckpointError
-from funcreplay.signature import Signature
-from funcreplay.spec import TableSpec
+from funcreplay.core.signature import Signature
+from funcreplay.core.spec import TableSpec
 
 _SELECTORS = {cls.__name__: cls for cls in sel.SAMPLERS}
 

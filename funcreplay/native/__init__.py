@@ -13,7 +13,7 @@ same work in one call. It is used only where it applies and only on CPU:
 
 A host ``Table`` on CPU can also run the sample kernel directly on its own
 buffers, without a jitted call (``Table.sample_packed(out=...)``;
-``funcreplay.native.direct``).
+``funcreplay.host.direct``).
 
 Everything else, and every non-CPU backend (``lax.platform_dependent``),
 runs the portable JAX implementation. Semantics are identical: the same
@@ -31,11 +31,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from funcreplay import rate_limiters as rl
-from funcreplay import selectors as sel
-from funcreplay import state as state_lib
+from funcreplay.core import rate_limiters as rl
+from funcreplay.core import selectors as sel
+from funcreplay.core import state as state_lib
 from funcreplay.native.build import error, load
-from funcreplay.spec import TableSpec
+from funcreplay.core.spec import TableSpec
 
 __all__ = ["available", "default", "error", "ledger_attr", "set_default", "supports_insert",
            "supports_sample", "supports_update_priorities"]

@@ -1,7 +1,7 @@
 """Compile the native kernels once per (sources, jaxlib) and register their FFI targets.
 
 One shared library holds ``kernels.cc`` (the XLA FFI handlers) and
-``direct.cc`` (the direct host entry points, ``funcreplay.native.direct``),
+``direct.cc`` (the direct host entry points, ``funcreplay.host.direct``),
 which share ``common.h``, ``sample_core.h`` and ``priorities_core.h``. It is built on first use with
 the system C++ compiler (``$CXX``, else ``c++``/``g++``) against the XLA FFI
 headers that ship with jaxlib (``jax.ffi.include_dir()``), and cached in
@@ -29,7 +29,8 @@ from typing import Optional
 import jax
 import jaxlib
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+# The C++ sources live beside this module in csrc/ (shipped as package data).
+_HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _UNITS = [os.path.join(_HERE, name) for name in ("kernels.cc", "direct.cc")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("common.h", "priorities_core.h", "sample_core.h")]
 _TARGETS = {"funcreplay_sample": "FuncreplaySample",

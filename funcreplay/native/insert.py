@@ -15,10 +15,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from funcreplay import indexes
+from funcreplay.core import indexes
 from funcreplay import native
-from funcreplay.spec import TableSpec
-from funcreplay.state import TableState
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import TableState
 
 
 def insert(spec: TableSpec, state: TableState, items, mask, versions, prios, meta_rows,

@@ -14,10 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcreplay import indexes, native, ops, staleness
-from funcreplay import selectors as sel
-from funcreplay.spec import TableSpec
-from funcreplay.state import Sample, SampleInfo, TableState
+from funcreplay.core import indexes
+from funcreplay import native
+from funcreplay.core import ops
+from funcreplay.core import staleness
+from funcreplay.core import selectors as sel
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import Sample, SampleInfo, TableState
 
 
 def _typed(rng) -> bool:

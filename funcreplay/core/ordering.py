@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay import selectors as sel
+from funcreplay.core import selectors as sel
 
 
 def age(state, slots):

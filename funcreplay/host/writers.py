@@ -33,8 +33,8 @@ from typing import Any, Callable, Mapping, Optional
 import jax
 import numpy as np
 
-from funcreplay import signature as sig_lib
-from funcreplay.itemcheck import ItemChecker
+from funcreplay.core import signature as sig_lib
+from funcreplay.host.itemcheck import ItemChecker
 
 
 def sequence_signature(step_signature: Any, length: int, *, pad: bool = False):

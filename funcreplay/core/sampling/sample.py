@@ -25,18 +25,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay import counters as ctr
-from funcreplay import indexes, inplace, ops, ordering, packing, staleness, trees
-from funcreplay import native as native_lib
-from funcreplay import rate_limiters as rl
-from funcreplay import selectors as sel
-from funcreplay.spec import TableSpec
-from funcreplay.state import Sample, SampleInfo, TableState
+from funcreplay.core import counters as ctr
+from funcreplay.core import executor
+from funcreplay.core import indexes
+from funcreplay.core import inplace
+from funcreplay.core import ops
+from funcreplay.core import ordering
+from funcreplay.core import packing
+from funcreplay.core import staleness
+from funcreplay.core import trees
+from funcreplay.core import rate_limiters as rl
+from funcreplay.core import selectors as sel
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import Sample, SampleInfo, TableState
 
 ROUNDS = 4
 
@@ -249,7 +256,8 @@ def _draw_stratified(spec, state, rng, batch_size):
 
 def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=None,
            where=None, replace: bool = False, stratified: bool = False, enabled=None,
-           native: bool = False, split_key: bool = False, packed: bool = False):
+           native: Optional[executor.Executor] = None, split_key: bool = False,
+           packed: bool = False):
   """Sample ``batch_size`` items.
 
   Args:
@@ -269,8 +277,9 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
       nothing: the state comes back unchanged and every row is invalid
       (``num_eligible`` still reports the eligible count). Lets a jitted loop
       gate sampling on ``can_sample`` without a ``lax.cond`` of its own.
-    native: use the native CPU kernel where one applies (``funcreplay.native``;
-      ``make_table`` sets this). Other backends run the JAX implementation.
+    native: an executor (``core.executor``) whose CPU kernel runs where one
+      applies (``fr.make_table`` passes ``funcreplay.native``'s); other
+      backends, and None, run the JAX implementation.
     split_key: also return the next key of a key sequence: the sample uses a
       key derived from ``rng``, and ``(state, Sample, next_rng)`` comes back
       (the host ``Table`` keeps its key this way); with ``enabled`` False the
@@ -332,12 +341,11 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
       next_key = lax.cond(enabled, lambda: next_key, lambda: rng)
     return (*out, next_key)
 
-  if native and native_lib.supports_sample(spec, stratified) and native_lib.available():
-    from funcreplay.native import sample as native_sample
+  native = executor.check(native, "sample")
+  if native and native.supports_sample(spec, stratified) and native.available():
 
     def kernel(st):
-      st, out, next_key = native_sample.sample(spec, st, rng, b, ver, where, replace, enabled,
-                                               layout)
+      st, out, next_key = native.sample(spec, st, rng, b, ver, where, replace, enabled, layout)
       if layout is not None:
         out = packing.PackedSample(out, layout)
       return (st, out, next_key) if split_key else (st, out)
@@ -455,7 +463,7 @@ def _finish(spec, state, picked, prob, num_eligible, ver, replace):
     exhausted = valid & (ops.take(times, safe) >= spec.max_times_sampled)
     if replace:  # a slot can appear twice: count it once (without, rows are distinct)
       exhausted = ops.last_occurrence(safe, exhausted)
-    state = ops._remove(spec, state, safe, exhausted, "evicted_reuse")  # noqa: SLF001
+    state = ops.remove(spec, state, safe, exhausted, "evicted_reuse")
     state = indexes.refresh(spec, state, safe, exhausted)
   return state, Sample(data=data, valid=valid, info=info, num_eligible=num_eligible)
 

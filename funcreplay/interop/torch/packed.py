@@ -19,18 +19,19 @@ import jax
 import numpy as np
 import torch
 
-from funcreplay.packing import PackedLayout, PackedSample, check_buffer
-from funcreplay.torch.batches import TorchBatch, TorchInfo, _weights
-from funcreplay.torch.dlpack import (
+from funcreplay.core.packing import PackedLayout, PackedSample, check_buffer
+from funcreplay.interop.torch.batches import TorchBatch, TorchInfo, importance_weights
+from funcreplay.interop.torch.dlpack import (
+from funcreplay.core import caches
   OnCopy,
   TransferReport,
-  _as_device,
-  _check_on_copy,
-  _dense_strides,
-  _handle_copies,
-  _jax_pointer,
-  _move,
-  _same_device,
+  as_device,
+  check_on_copy,
+  dense_strides,
+  handle_copies,
+  jax_pointer,
+  move,
+  same_device,
 )
 
 _INFO_FIELDS = ("slot", "key", "probability", "priority", "times_sampled", "version")
@@ -56,6 +57,9 @@ def _unsupported(layout: PackedLayout) -> Optional[str]:
   return None
 
 
+caches.register("interop.torch.unsupported", _unsupported.cache_clear)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """Precomputed views of one (layout, parts): per field its torch dtype, the
@@ -75,10 +79,13 @@ def _plan(lay: PackedLayout, parts: int) -> _Plan:
     if td not in dtypes:
       dtypes.append(td)
     shape = (b,) + f.shape[1:]
-    views.append((dtypes.index(td), shape, _dense_strides(shape),
+    views.append((dtypes.index(td), shape, dense_strides(shape),
                   f.offset // f.dtype.itemsize, int(np.prod(shape, dtype=np.int64))))
   nd = lay.num_data
   return _Plan(tuple(dtypes), tuple(views), dict(zip(_INFO_FIELDS, views[nd + 1:])))
+
+
+caches.register("interop.torch.plan", _plan.cache_clear)
 
 
 def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
@@ -99,7 +106,7 @@ def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
   if not isinstance(packed, PackedSample):
     raise TypeError(f"packed_batches expects a funcreplay PackedSample (Table.sample_packed), "
                     f"got {type(packed).__name__}.")
-  _check_on_copy(on_copy)
+  check_on_copy(on_copy)
   lay = packed.layout
   check_buffer(packed.buffer, lay, "packed_batches")
   rows = lay.batch_size
@@ -118,9 +125,9 @@ def packed_batches(packed: PackedSample, parts: int = 1, *, device=None,
     raise ValueError("packed_batches: the buffer has been deleted (donated to a jitted call).")
   buf.block_until_ready()  # async dispatch: XLA must have finished writing it
   raw = torch.from_dlpack(buf)
-  ptr = _jax_pointer(buf)
+  ptr = jax_pointer(buf)
   if ptr is not None and ptr != raw.data_ptr():
-    _handle_copies(TransferReport(1, 0, (("<buffer>", "DLPack export copied the buffer"),)),
+    handle_copies(TransferReport(1, 0, (("<buffer>", "DLPack export copied the buffer"),)),
                    on_copy, "packed_batches")
   num_eligible = _read_num_eligible(raw, ne) if raw.device.type == "cpu" else None
   return _views(raw, num_eligible, lay, plan, parts, device, non_blocking)
@@ -149,9 +156,9 @@ def _views(raw: torch.Tensor, num_eligible: Optional[int], lay: PackedLayout, pl
   """The ``TorchBatch`` views of a packed buffer ``raw`` (moved to ``device`` first).
   ``num_eligible`` None: read from the buffer (a GPU buffer: after the move)."""
   exported = raw
-  dev = _as_device(device)
-  if dev is not None and not _same_device(raw, dev):
-    raw = _move(raw, dev, non_blocking)
+  dev = as_device(device)
+  if dev is not None and not same_device(raw, dev):
+    raw = move(raw, dev, non_blocking)
   if num_eligible is None:  # a GPU buffer: from its host copy once complete, else from it
     done = raw.device.type == "cpu" and not non_blocking
     num_eligible = _read_num_eligible(raw if done else exported, lay.fields[-1])
@@ -188,5 +195,6 @@ def packed_to_torch(packed: PackedSample, *, device=None, beta: Optional[float] 
                             non_blocking=non_blocking)
   if beta is not None:
     batch = dataclasses.replace(
-        batch, weights=_weights(batch.info.probability, batch.valid, batch.num_eligible, beta))
+        batch, weights=importance_weights(batch.info.probability, batch.valid,
+                                          batch.num_eligible, beta))
   return batch

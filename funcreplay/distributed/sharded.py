@@ -51,12 +51,16 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from funcreplay import counters as ctr
-from funcreplay import indexes, ops, sampling, staleness
-from funcreplay import selectors as sel
-from funcreplay.functional import FunctionalTable, make_table
-from funcreplay.spec import TableSpec
-from funcreplay.state import Sample, TableState
+from funcreplay.core import counters as ctr
+from funcreplay.core import indexes
+from funcreplay.core import ops
+from funcreplay.core import sampling
+from funcreplay.core import staleness
+from funcreplay.core import selectors as sel
+from funcreplay.core.functional import FunctionalTable
+from funcreplay.native.functional import make_table
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import Sample, TableState
 
 
 class ShardedTable(NamedTuple):

@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from funcreplay.signature import Signature
-from funcreplay.state import Sample, SampleInfo
+from funcreplay.core.signature import Signature
+from funcreplay.core.state import Sample, SampleInfo
+from funcreplay.core import caches
 
 ALIGN = 64  # bytes; every field starts at a multiple (cache line, any SIMD width)
 
@@ -112,6 +113,9 @@ def packable(signature: Signature) -> Optional[str]:
   return None
 
 
+caches.register("core.packing.packable", packable.cache_clear)
+
+
 @functools.lru_cache(maxsize=256)
 def layout(signature: Signature, batch_size: int) -> PackedLayout:
   """The ``PackedLayout`` of a ``batch_size``-row sample of ``signature`` items."""
@@ -130,6 +134,9 @@ def layout(signature: Signature, batch_size: int) -> PackedLayout:
     fields.append(f)
     offset += -(-f.nbytes // ALIGN) * ALIGN
   return PackedLayout(b, signature.treedef, tuple(fields), max(offset, ALIGN))
+
+
+caches.register("core.packing.layout", layout.cache_clear)
 
 
 def _as_bytes(x: jnp.ndarray) -> jnp.ndarray:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Tuple
 import jax
 import numpy as np
 
-from funcreplay import signature as sig_lib
+from funcreplay.core import signature as sig_lib
 
 
 class _Unsupported(Exception):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from funcreplay.state import TableState
+from funcreplay.core.state import TableState
 
 OnCopy = str  # "ignore" | "warn" | "raise"
 _ON_COPY = ("ignore", "warn", "raise")
@@ -51,12 +51,12 @@ class TransferReport:
     return "; ".join(f"{p or '<root>'}: {why}" for p, why in self.copies)
 
 
-def _check_on_copy(on_copy: str) -> None:
+def check_on_copy(on_copy: str) -> None:
   if on_copy not in _ON_COPY:
     raise ValueError(f"on_copy must be one of {_ON_COPY}, got {on_copy!r}.")
 
 
-def _handle_copies(report: TransferReport, on_copy: str, what: str) -> None:
+def handle_copies(report: TransferReport, on_copy: str, what: str) -> None:
   if report.copies and on_copy != "ignore":
     msg = (f"{what}: {len(report.copies)} of {report.leaves} leaves were copied instead of "
            f"shared: {report.describe()}.")
@@ -69,24 +69,24 @@ def _is_state(x) -> bool:
   return isinstance(x, TableState)
 
 
-def _as_device(device) -> Optional[torch.device]:
+def as_device(device) -> Optional[torch.device]:
   return None if device is None else torch.device(device)
 
 
-def _same_device(t: torch.Tensor, device: Optional[torch.device]) -> bool:
+def same_device(t: torch.Tensor, device: Optional[torch.device]) -> bool:
   if device is None or t.device.type != device.type:
     return device is None
   return device.index is None or t.device.index == device.index
 
 
-def _move(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
+def move(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
   """Copy ``t`` to ``device``; host->GPU goes through pinned memory when non_blocking."""
   if non_blocking and t.device.type == "cpu" and device.type == "cuda":
     t = t.pin_memory()
   return t.to(device, non_blocking=non_blocking)
 
 
-def _jax_pointer(x: jax.Array) -> Optional[int]:
+def jax_pointer(x: jax.Array) -> Optional[int]:
   try:
     return x.unsafe_buffer_pointer()
   except Exception:  # noqa: BLE001 (multi-device or exotic platforms: no single pointer)
@@ -129,7 +129,7 @@ def _jax_leaf_to_torch(x: jax.Array, i: int, paths: _Paths,
     return t, False
   if x.size == 0:
     return t, True
-  ptr = _jax_pointer(x)
+  ptr = jax_pointer(x)
   if ptr is not None and ptr != t.data_ptr():
     copies.append((i, "DLPack export copied the buffer"))
     return t, False
@@ -149,7 +149,7 @@ def to_torch_with_report(tree: Any, *, device=None,
     raise TypeError("to_torch: refusing to export a TableState: the table donates (reuses) "
                     "those buffers on its next mutation. Export a Sample (Table.sample returns "
                     "fresh arrays) or a copy (Table.snapshot()).")
-  dev = _as_device(device)
+  dev = as_device(device)
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   paths = _Paths(tree)
   arrays = [x for x in leaves if isinstance(x, jax.Array)]
@@ -179,9 +179,9 @@ def to_torch_with_report(tree: Any, *, device=None,
     else:
       raise TypeError(f"to_torch: leaf {paths[i] or '<root>'} is a {type(x).__name__}; expected "
                       "JAX / numpy arrays (bool or numeric), torch tensors or numbers.")
-    if dev is not None and not _same_device(t, dev):
+    if dev is not None and not same_device(t, dev):
       copies.append((i, f"device transfer {t.device} -> {dev}"))
-      t, ok = _move(t, dev, non_blocking), False
+      t, ok = move(t, dev, non_blocking), False
     out.append(t)
     shared += ok
   return jax.tree_util.tree_unflatten(treedef, out), _report(len(leaves), shared, copies, paths)
@@ -207,15 +207,15 @@ def to_torch(tree: Any, *, device=None, on_copy: OnCopy = "warn",
     dtypes (bool stays bool). The tensors share memory with the JAX arrays:
     writing into them in place writes into those arrays.
   """
-  _check_on_copy(on_copy)
+  check_on_copy(on_copy)
   out, report = to_torch_with_report(tree, device=device, non_blocking=non_blocking)
-  _handle_copies(report, on_copy, "to_torch")
+  handle_copies(report, on_copy, "to_torch")
   return out
 
 
 # --- torch -> JAX ------------------------------------------------------------------
 
-def _dense_strides(shape: Sequence[int]) -> Tuple[int, ...]:
+def dense_strides(shape: Sequence[int]) -> Tuple[int, ...]:
   strides, acc = [], 1
   for n in reversed(shape):
     strides.append(acc)
@@ -257,9 +257,9 @@ def _prepare_tensor(t: torch.Tensor, path: str, copies: list, sync: bool) -> tor
     copies.append((path, f"non-dense strides {tuple(t.stride())} for shape {tuple(t.shape)} "
                          "(made contiguous)"))
     t = t.contiguous()
-  elif t.is_contiguous() and t.numel() and t.stride() != _dense_strides(t.shape):
+  elif t.is_contiguous() and t.numel() and t.stride() != dense_strides(t.shape):
     # Size-1 dimensions may carry any stride; some DLPack importers reject them.
-    t = t.as_strided(t.shape, _dense_strides(t.shape))
+    t = t.as_strided(t.shape, dense_strides(t.shape))
   if sync and t.is_cuda:
     # Explicit ordering: torch's pending kernels on this stream finish first.
     torch.cuda.current_stream(t.device).synchronize()
@@ -280,7 +280,7 @@ def _torch_leaf_to_jax(t: torch.Tensor, path: str, copies: list, sync: bool,
     copies.append((path, "bool sent as uint8 (this torch/JAX pair cannot share bool)"))
   ok = len(copies) == n_before
   if ok and t.numel():
-    ptr = _jax_pointer(x)
+    ptr = jax_pointer(x)
     if ptr is not None and ptr != t.data_ptr():
       ok = False
       align = t.data_ptr() % 64
@@ -336,7 +336,7 @@ def from_torch(tree: Any, *, device=None, copy: bool = False, on_copy: OnCopy = 
     The same tree with ``jax.Array`` leaves (same shapes; dtypes the same,
     except 64-bit dtypes narrowed to 32 bits when ``jax_enable_x64`` is off).
   """
-  _check_on_copy(on_copy)
+  check_on_copy(on_copy)
   out, report = from_torch_with_report(tree, device=device, copy=copy, sync=sync)
-  _handle_copies(report, on_copy, "from_torch")
+  handle_copies(report, on_copy, "from_torch")
   return out

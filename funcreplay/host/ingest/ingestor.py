@@ -50,8 +50,8 @@ from typing import Any, Mapping, Optional
 import jax
 import numpy as np
 
-from funcreplay import table as table_lib
-from funcreplay.itemcheck import ItemChecker, stack_leaf
+from funcreplay.host import table as table_lib
+from funcreplay.host.itemcheck import ItemChecker, stack_leaf
 
 _NEVER = 1 << 62  # "no producer needs to wake the insert thread"
 _F32_MAX = float(np.finfo(np.float32).max)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay import ordering, staleness, trees
-from funcreplay.spec import TableSpec
-from funcreplay.state import TableState
+from funcreplay.core import ordering
+from funcreplay.core import staleness
+from funcreplay.core import trees
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import TableState
 
 
 def sample_weight(spec: TableSpec, occupied, priority):

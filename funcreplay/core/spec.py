@@ -11,9 +11,9 @@ import dataclasses
 import math
 from typing import Any, Optional, Tuple
 
-from funcreplay import rate_limiters as rl
-from funcreplay import selectors as sel
-from funcreplay.signature import Signature, as_signature
+from funcreplay.core import rate_limiters as rl
+from funcreplay.core import selectors as sel
+from funcreplay.core.signature import Signature, as_signature
 
 _RESERVED_COLUMNS = ("key", "version", "times_sampled", "priority", "occupied", "slot")
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, NamedTuple, Optional
 
-from funcreplay import native as native_lib
-from funcreplay import ops, sampling
-from funcreplay import state as state_lib
-from funcreplay.spec import TableSpec
+from funcreplay.core import executor as executor_lib
+from funcreplay.core import ops
+from funcreplay.core import sampling
+from funcreplay.core import state as state_lib
+from funcreplay.core.spec import TableSpec
 
 
 class FunctionalTable(NamedTuple):
@@ -33,17 +34,18 @@ class FunctionalTable(NamedTuple):
   stats: Callable[..., ops.Stats]
 
 
-def make_table(spec: TableSpec, *, native: Optional[bool] = None) -> FunctionalTable:
+def make_table(spec: TableSpec, *,
+               executor: Optional[executor_lib.Executor] = None) -> FunctionalTable:
   """Build the pure functions of a table described by ``spec``.
 
-  ``native``: on CPU, run the operations that have one through a native
-  kernel (``funcreplay.native``: same semantics, far fewer XLA operations).
-  False keeps the portable JAX implementation everywhere; None (default):
-  ``funcreplay.native.default()``, initially True.
+  ``executor``: run the operations that have one through its CPU kernels
+  (``core.executor``; same semantics, far fewer XLA operations); None keeps
+  the portable JAX implementation everywhere. The public ``fr.make_table``
+  (``funcreplay.native.functional``) chooses the native executor by default.
 
   Example::
 
-    table = fr.make_table(spec)
+    table = make_table(spec)
     state = table.init()
     state = table.insert(state, items, version=v)
     state, batch = table.sample(state, rng, batch_size=256, version=v)
@@ -51,7 +53,7 @@ def make_table(spec: TableSpec, *, native: Optional[bool] = None) -> FunctionalT
   if not isinstance(spec, TableSpec):
     raise TypeError(f"make_table expects a TableSpec, got {type(spec).__name__}.")
   p = functools.partial
-  native = native_lib.default() if native is None else bool(native)
+  native = executor_lib.check(executor, "make_table")
   return FunctionalTable(
       spec=spec,
       init=p(state_lib.init_state, spec),

@@ -10,12 +10,12 @@ import jax
 import numpy as np
 import torch
 
-from funcreplay.state import Sample
-from funcreplay.torch.dlpack import (
+from funcreplay.core.state import Sample
+from funcreplay.interop.torch.dlpack import (
   OnCopy,
-  _handle_copies,
-  _move,
-  _same_device,
+  handle_copies,
+  move,
+  same_device,
   to_torch_with_report,
 )
 
@@ -116,7 +116,7 @@ class TorchBatch:
   def to(self, device, non_blocking: bool = False) -> "TorchBatch":
     """Every tensor moved to ``device``."""
     dev = torch.device(device)
-    return self._map(lambda t: t if _same_device(t, dev) else _move(t, dev, non_blocking))
+    return self._map(lambda t: t if same_device(t, dev) else move(t, dev, non_blocking))
 
   def clone(self) -> "TorchBatch":
     """A copy whose tensors have memory of their own (e.g. to ``torch.save`` its fields)."""
@@ -137,7 +137,7 @@ class TorchBatch:
     return int(self.valid.shape[0])
 
 
-def _weights(probability: torch.Tensor, valid: torch.Tensor, num_eligible: int,
+def importance_weights(probability: torch.Tensor, valid: torch.Tensor, num_eligible: int,
              beta: float) -> torch.Tensor:
   """float32[B] ``(N * P(i))**-beta`` normalised by the batch max; 0 on invalid rows."""
   p = torch.where(valid, probability, torch.ones_like(probability)).clamp_min(1e-30)
@@ -163,10 +163,10 @@ def sample_to_torch(sample: Sample, *, device=None, beta: Optional[float] = None
                                                      non_blocking=non_blocking, _no_state=True)
   # Device transfers were asked for; any other copy is a surprise worth reporting.
   surprises = tuple(c for c in report.copies if not c[1].startswith("device transfer"))
-  _handle_copies(dataclasses.replace(report, copies=surprises), on_copy, "sample_to_torch")
+  handle_copies(dataclasses.replace(report, copies=surprises), on_copy, "sample_to_torch")
   info = TorchInfo(**{f.name: getattr(info, f.name) for f in dataclasses.fields(TorchInfo)})
   n = int(sample.num_eligible)
-  w = None if beta is None else _weights(info.probability, valid, n, beta)
+  w = None if beta is None else importance_weights(info.probability, valid, n, beta)
   return TorchBatch(data, valid, info, w, n)
 
 

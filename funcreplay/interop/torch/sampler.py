@@ -13,11 +13,11 @@ import numpy as np
 import torch
 from torch.utils import data as torch_data
 
-from funcreplay import packing
-from funcreplay.packing import PackedSample
-from funcreplay.torch.batches import TorchBatch, _weights, sample_to_torch
-from funcreplay.torch.dlpack import OnCopy, _check_on_copy
-from funcreplay.torch.packed import host_batches, packed_batches, unsupported
+from funcreplay.core import packing
+from funcreplay.core.packing import PackedSample
+from funcreplay.interop.torch.batches import TorchBatch, importance_weights, sample_to_torch
+from funcreplay.interop.torch.dlpack import OnCopy, check_on_copy
+from funcreplay.interop.torch.packed import host_batches, packed_batches, unsupported
 
 # --- the iterator ------------------------------------------------------------------------
 
@@ -179,7 +179,7 @@ class TorchSampler(torch_data.IterableDataset):
                                                     or not np.isfinite(beta) or beta < 0):
       raise ValueError(f"TorchSampler: beta must be None, a number >= 0 or a callable, "
                        f"got {beta!r}.")
-    _check_on_copy(on_copy)
+    check_on_copy(on_copy)
     self.table = table
     self.batch_size = batch_size
     self.device = None if device is None else torch.device(device)
@@ -249,7 +249,7 @@ class TorchSampler(torch_data.IterableDataset):
     for i, part in enumerate(parts):
       beta = self._beta(index + i)
       if beta is not None:
-        w = _weights(part.info.probability, part.valid, part.num_eligible, beta)
+        w = importance_weights(part.info.probability, part.valid, part.num_eligible, beta)
         part = dataclasses.replace(part, weights=w)
       pending.append(part)
     return pending.pop(0)

@@ -14,13 +14,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay import counters as ctr
-from funcreplay import indexes, inplace, staleness, trees
-from funcreplay import native as native_lib
-from funcreplay import rate_limiters as rl
-from funcreplay import selectors as sel
-from funcreplay.spec import TableSpec
-from funcreplay.state import TableState
+from funcreplay.core import counters as ctr
+from funcreplay.core import executor
+from funcreplay.core import indexes
+from funcreplay.core import inplace
+from funcreplay.core import staleness
+from funcreplay.core import trees
+from funcreplay.core import rate_limiters as rl
+from funcreplay.core import selectors as sel
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import TableState
 
 # --- helpers ----------------------------------------------------------------
 
@@ -86,7 +89,7 @@ def take(col, slots):
   return col[slots]
 
 
-def _remove(spec: TableSpec, state: TableState, slots, mask, cause: str) -> TableState:
+def remove(spec: TableSpec, state: TableState, slots, mask, cause: str) -> TableState:
   """Free ``slots[mask]`` (unique), counting them under ``cause``. Trees not refreshed."""
   n = jnp.sum(mask).astype(jnp.uint32)
   reuse = take(state.times_sampled, slots)
@@ -117,7 +120,7 @@ def _scatter_rows(tree_data, slots, rows_data, write):
 
 def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priority=None,
            mask=None, metadata: Optional[Mapping[str, Any]] = None, rng=None,
-           native: bool = False) -> TableState:
+           native: Optional[executor.Executor] = None) -> TableState:
   """Insert a batch of ``B`` items (``B`` static, ``B <= capacity``).
 
   Args:
@@ -130,8 +133,9 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
       insert fixed-size batches without recompiling.
     metadata: dict column -> int32 scalar or ``[B]`` (missing columns: 0).
     rng: PRNG key, required only by the ``Uniform`` remover.
-    native: use the native CPU kernel where one applies (``funcreplay.native``;
-      ``make_table`` sets this). Other backends run the JAX implementation.
+    native: an executor (``core.executor``) whose CPU kernel runs where one
+      applies (``fr.make_table`` passes ``funcreplay.native``'s); other
+      backends, and None, run the JAX implementation.
 
   Returns:
     The new state. Rows are inserted in order as if one at a time: free slots
@@ -176,11 +180,11 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(mask, prios, 0.0)))
     return state.replace(counters=c, max_priority=max_p)
 
-  if native and native_lib.supports_insert(spec) and native_lib.available():
-    from funcreplay.native import insert as native_insert
+  native = executor.check(native, "insert")
+  if native and native.supports_insert(spec) and native.available():
     return lax.platform_dependent(
-        state, cpu=lambda st: native_insert.insert(spec, st, items, mask, versions, prios,
-                                                   meta_rows, n_bad),
+        state, cpu=lambda st: native.insert(spec, st, items, mask, versions, prios,
+                                            meta_rows, n_bad),
         default=portable)
   return portable(state)
 
@@ -198,7 +202,7 @@ def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_r
   if isinstance(spec.remover, sel.Fifo):
     slots = (state.write_pos + rank) % cap
     victims = mask & take(state.occupied, jnp.where(mask, slots, 0))
-    state = _remove(spec, state, slots, victims, "evicted_capacity")
+    state = remove(spec, state, slots, victims, "evicted_capacity")
     state = _write(spec, state, slots, mask, items, columns)
     state = state.replace(write_pos=(state.write_pos + n_real) % cap)
   else:
@@ -225,7 +229,7 @@ def _write(spec, state, slots, write, items, columns):
 
   version_col = state.version
   if spec.max_staleness is not None:
-    # _remove read versions of these slots into the index: overwrite them after.
+    # remove read versions of these slots into the index: overwrite them after.
     version_col = inplace.tie(version_col, inplace.never((state.version_hist,
                                                           state.version_bounds)))
   hist, bounds = staleness.add(spec, state.version_hist, state.version_bounds,
@@ -263,7 +267,7 @@ def _insert_with_victims(spec, state, need, items, columns, rng):
       else:
         victim = trees.best(st.remover_tree)
       vs = victim[None]
-      st = _remove(spec, st, vs, jnp.ones((1,), bool), "evicted_capacity")
+      st = remove(spec, st, vs, jnp.ones((1,), bool), "evicted_capacity")
       row = jax.tree_util.tree_map(lambda x: lax.dynamic_slice_in_dim(x, r, 1), items)
       cols = dict(key=columns["key"][r][None], version=columns["version"][r][None],
                   priority=columns["priority"][r][None],
@@ -281,27 +285,26 @@ def delete(spec: TableSpec, state: TableState, slots, keys) -> TableState:
   """Remove the items at ``slots`` whose key still equals ``keys`` (int32/uint32 [K])."""
   safe, ok = _key_matches(state, slots, keys)
   ok = last_occurrence(safe, ok)
-  state = _remove(spec, state, safe, ok, "deletes")
+  state = remove(spec, state, safe, ok, "deletes")
   return indexes.refresh(spec, state, safe, ok)
 
 
 def update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities, *,
-                      native: bool = False) -> TableState:
+                      native: Optional[executor.Executor] = None) -> TableState:
   """Set priorities where the slot still holds ``keys``; others are ignored.
 
   Duplicate slots in one call: the last occurrence wins. Negative, NaN or
   infinite priorities are stored as 0 and counted in
   ``stats().invalid_priorities`` (the host ``Table`` raises instead).
-  ``native``: use the native CPU kernel where one applies (``make_table`` sets it).
+  ``native``: an executor (``core.executor``) whose CPU kernel runs where one applies.
   """
   slots = jnp.asarray(slots, jnp.int32)
   priorities = jnp.broadcast_to(jnp.asarray(priorities, jnp.float32), slots.shape)
   keys = jnp.broadcast_to(jnp.asarray(keys, jnp.uint32), slots.shape)
-  if native and native_lib.supports_update_priorities(spec) and native_lib.available():
-    from funcreplay.native import priorities as native_priorities
+  native = executor.check(native, "update_priorities")
+  if native and native.supports_update_priorities(spec) and native.available():
     return lax.platform_dependent(
-        state, cpu=lambda st: native_priorities.update_priorities(spec, st, slots, keys,
-                                                                  priorities),
+        state, cpu=lambda st: native.update_priorities(spec, st, slots, keys, priorities),
         default=lambda st: _update_priorities(spec, st, slots, keys, priorities))
   return _update_priorities(spec, state, slots, keys, priorities)
 
@@ -348,7 +351,7 @@ def evict_stale(spec: TableSpec, state: TableState, version) -> TableState:
     raise ValueError("evict_stale: the table has no max_staleness; set TableSpec.max_staleness.")
   stale = stale_mask(spec, state, version)
   slots = jnp.arange(spec.capacity, dtype=jnp.int32)
-  state = _remove(spec, state, slots, stale, "evicted_stale")
+  state = remove(spec, state, slots, stale, "evicted_stale")
   return indexes.rebuild(spec, state)
 
 

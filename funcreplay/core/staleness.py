@@ -40,7 +40,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.spec import TableSpec
+from funcreplay.core.spec import TableSpec
 
 MAX_WINDOW = 4096
 _NONE = jnp.iinfo(jnp.int32).max  # old_min when no old item is left

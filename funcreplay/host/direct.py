@@ -44,10 +44,10 @@ from typing import Optional, Tuple
 import jax
 import numpy as np
 
-from funcreplay import packing
-from funcreplay import selectors as sel
+from funcreplay.core import packing
+from funcreplay.core import selectors as sel
 from funcreplay.native import build
-from funcreplay.spec import TableSpec
+from funcreplay.core.spec import TableSpec
 
 # The layout of direct.cc's configuration and pointer vectors.
 _ABI_VERSION = 2

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from funcreplay import counters as ctr
-from funcreplay import signature as sig_lib
-from funcreplay import staleness
-from funcreplay.spec import TableSpec
+from funcreplay.core import counters as ctr
+from funcreplay.core import signature as sig_lib
+from funcreplay.core import staleness
+from funcreplay.core.spec import TableSpec
 
 COUNTERS = (
     "inserts",            # items inserted (mask=True rows)

@@ -30,14 +30,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcreplay import inplace, ops, packing, sampling
+from funcreplay.core import inplace
+from funcreplay.core import ops
+from funcreplay.core import packing
+from funcreplay.core import sampling
 from funcreplay import native as native_lib
-from funcreplay.native import direct as direct_lib
-from funcreplay import selectors as sel
-from funcreplay import signature as sig_lib
-from funcreplay import state as state_lib
-from funcreplay.spec import TableSpec
-from funcreplay.state import Sample, TableState
+from funcreplay.native import executor
+from funcreplay.host import direct as direct_lib
+from funcreplay.core import selectors as sel
+from funcreplay.core import signature as sig_lib
+from funcreplay.core import state as state_lib
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import Sample, TableState
+from funcreplay.core import caches
 
 _I32 = np.iinfo(np.int32)
 
@@ -76,6 +81,7 @@ class _Ops:
   def __init__(self, spec: TableSpec, native: bool):
     self.spec = spec
     self.native = native
+    native = executor.choose(native)  # the core's executor hook: NATIVE or None
     limiter = spec.rate_limiter
     uniform_remover = isinstance(spec.remover, sel.Uniform)
 
@@ -156,6 +162,9 @@ def _ops_for(spec: TableSpec) -> _Ops:
 @functools.lru_cache(maxsize=64)
 def _cached_ops(spec: TableSpec, native: bool) -> _Ops:
   return _Ops(spec, native)
+
+
+caches.register("host.table.ops", _cached_ops.cache_clear)
 
 
 # --- host-side validation helpers ---------------------------------------------
@@ -513,7 +522,7 @@ class Table:
     batch_size).nbytes``) to write the batch into; the result's ``buffer`` is
     then ``out`` itself. A CPU table using the
     native kernels writes it in place, without a jitted call (no dispatch,
-    no XLA buffer to import: ``funcreplay.native.direct``), when ``where`` is
+    no XLA buffer to import: ``funcreplay.host.direct``), when ``where`` is
     None (and the sampler is not prioritized with ``max_staleness``); the
     draw, the state update and the key advance are those of the jitted path.
     Otherwise the jitted sample runs and its buffer is copied into ``out``.
@@ -552,7 +561,7 @@ class Table:
   def samples_in_place(self) -> bool:
     """True if ``sample_packed(..., out=buf)`` writes the batch straight into ``buf``
     without a jitted call (a CPU table on the native kernels; ``where=None``;
-    ``funcreplay.native.direct``). Otherwise ``out`` receives a copy."""
+    ``funcreplay.host.direct``). Otherwise ``out`` receives a copy."""
     with self._cond:
       self._check_open("samples_in_place")
       return self._direct_sampler() is not None
@@ -679,7 +688,7 @@ class Table:
     p = _priority_rows(priorities, len(s), "Table.update_priorities priorities", check=s >= 0)
     with self._cond:
       direct = self._direct_sampler()
-      # In place, like a direct sample (funcreplay.native.direct); a denormal priority
+      # In place, like a direct sample (funcreplay.host.direct); a denormal priority
       # goes through XLA, whose treatment of one the direct path does not reproduce.
       if direct is not None and direct.updates_in_place and not _has_denormal(p, s >= 0):
         self._check_open("update_priorities")
@@ -786,7 +795,7 @@ class Table:
   def ingestor(self, **kwargs):
     """A background-thread ``funcreplay.ingest.Ingestor`` feeding this table (context manager)."""
     self._check_open("ingestor")
-    from funcreplay.ingest import Ingestor  # noqa: PLC0415
+    from funcreplay.host.ingest import Ingestor  # noqa: PLC0415
     return Ingestor(self, **kwargs)
 
   # -- closing ------------------------------------------------------------------------

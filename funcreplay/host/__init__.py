@@ -1,0 +1,1 @@
+"""The host layer: the thread-safe ``Table``, the ``Ingestor``, writers, validation."""

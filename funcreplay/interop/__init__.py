@@ -1,0 +1,1 @@
+"""Bridges to other frameworks (``interop.torch``; public name ``funcreplay.torch``)."""
