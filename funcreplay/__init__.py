@@ -27,7 +27,7 @@ from funcreplay.core.signature import Signature, check_items
 from funcreplay.core.spec import TableSpec, queue, stack
 from funcreplay.core.state import Sample, SampleInfo, TableState, state_counters
 
-__version__ = "0.1.0"
+from funcreplay.core.version import VERSION as __version__
 
 # Public name -> (module, attribute; None: the module itself), imported on first use.
 _LAZY = {

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import funcreplay as fr
-from funcreplay.host.table import Table
+from funcreplay import Table
 from tests.helpers import ITEM
 
 MAX_TIMES = 2

@@ -26,7 +26,7 @@ from funcreplay.host.ingest import (
   IngestorFullError,
 )
 from funcreplay.host.itemcheck import ItemChecker, stack_leaf
-from funcreplay.host.table import Table, TableClosedError
+from funcreplay import Table, TableClosedError
 from tests.helpers import ITEM
 
 PLAIN = fr.TableSpec(256, ITEM)

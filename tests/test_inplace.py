@@ -111,8 +111,8 @@ def test_sample_compiles_without_column_copies(case):
 @pytest.mark.parametrize("packed", [False, True], ids=["sample", "sample_packed"])
 @pytest.mark.parametrize("replace", [False, True])
 def test_table_sample_compiles_without_column_copies(replace, packed):
-  from funcreplay.host import table as table_lib
-  ops = table_lib._ops_for(fr.TableSpec(CAP, ITEM, max_staleness=5, max_times_sampled=2))
+  from funcreplay.host import programs
+  ops = programs.ops_for(fr.TableSpec(CAP, ITEM, max_staleness=5, max_times_sampled=2))
   compiled = ops.sample.lower(ops.init(), jax.random.PRNGKey(0), np.int32(0), None, {},
                               np.int32(1), batch_size=64, replace=replace,
                               packed=packed).compile()

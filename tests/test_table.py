@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import funcreplay as fr
-from funcreplay.host.table import Table, TableClosedError
+from funcreplay import Table, TableClosedError
 from tests.helpers import ITEM, counters_dict, items_from_ids, jitted
 
 # Every test here runs against both implementations (see conftest.py).
@@ -515,13 +515,13 @@ def test_same_seed_same_samples_and_restore_continues_the_stream():
 
 
 def test_clear_caches_drops_compiled_programs_and_tables_keep_working():
-  from funcreplay.host import table as table_lib
+  from funcreplay.host import programs
 
   a, b = Table(SPEC, seed=3), Table(SPEC, seed=3)
   a.insert(np_items([1, 2, 3]))
-  assert table_lib._cached_ops.cache_info().currsize >= 1  # noqa: SLF001
+  assert programs.cached_ops.cache_info().currsize >= 1
   fr.clear_caches()
-  assert table_lib._cached_ops.cache_info().currsize == 0  # noqa: SLF001
+  assert programs.cached_ops.cache_info().currsize == 0
   # The table made before keeps its programs' functions (they compile again);
   # a fresh table of the spec gets new ones; both give the same stream.
   b.insert(np_items([1, 2, 3]))

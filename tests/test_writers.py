@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import funcreplay as fr
-from funcreplay.host.table import Table
+from funcreplay import Table
 from funcreplay.host.writers import SequenceWriter, sequence_signature
 
 STEP = {"id": jax.ShapeDtypeStruct((), jnp.int32), "obs": jax.ShapeDtypeStruct((2,), jnp.float32)}

@@ -26,6 +26,7 @@ from funcreplay.checkpoint import format as fmt
 from funcreplay.checkpoint import layout, migrate, spec_codec
 from funcreplay.checkpoint.errors import CheckpointError
 from funcreplay.core.spec import TableSpec
+from funcreplay.core.version import VERSION
 from funcreplay.core.state import TableState
 from funcreplay.core import caches
 
@@ -153,9 +154,8 @@ def save(path, state: TableState, spec: TableSpec, *, extra: Any = None,
     return os.path.abspath(os.fspath(path))
   leaves, _ = jax.tree_util.tree_flatten_with_path(state_lib.to_record(host_np))
   arrays = [(_leaf_name(p), np.asarray(x)) for p, x in leaves]
-  from funcreplay import __version__  # noqa: PLC0415 (avoid an import cycle)
   header = {
-      "funcreplay_version": __version__,
+      "funcreplay_version": VERSION,
       "created_unix": time.time(),
       "spec": spec_codec.spec_to_json(spec),
       "num_shards": num_shards,

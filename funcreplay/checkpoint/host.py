@@ -17,6 +17,8 @@ from typing import Any, Optional
 from funcreplay.checkpoint import core, layout
 from funcreplay.checkpoint.errors import CheckpointError
 from funcreplay.core.spec import TableSpec
+from funcreplay.host import table as table_lib
+from funcreplay.host.table import Table
 
 
 def snapshot_table(table):
@@ -74,7 +76,6 @@ def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_grow
   Returns:
     ``funcreplay.Table`` with the saved state, PRNG key and policy version.
   """
-  from funcreplay.host.table import Table  # noqa: PLC0415 (table imports this package lazily)
   r = core.restore(path, spec, allow_capacity_growth=allow_capacity_growth, as_numpy=True,
                    verify=verify)
   if r.num_shards is not None:
@@ -83,3 +84,7 @@ def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_grow
   if r.host is None:
     return Table.from_state(r.spec, r.state, seed=seed)
   return Table.from_state(r.spec, r.state, version=r.host["version"], rng=r.host["rng"])
+
+
+# Table.save / Table.restore call these (the host layer never imports this one).
+table_lib.register_checkpoint_io(save_table, restore_table)

@@ -9,6 +9,7 @@ from typing import List, Optional
 
 from funcreplay.checkpoint import host as host_lib
 from funcreplay.checkpoint import layout
+from funcreplay.host.guard import TableClosedError
 
 _POLL_S = 0.05  # how often the inserts trigger is checked
 
@@ -94,7 +95,6 @@ class PeriodicCheckpointer:
       return path
 
   def _run(self):
-    from funcreplay.host.table import TableClosedError  # noqa: PLC0415
     wait = _POLL_S if self._every_inserts is not None else min(self._every_s, _POLL_S * 4)
     try:
       while not self._stop.wait(wait):

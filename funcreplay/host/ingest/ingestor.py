@@ -50,7 +50,7 @@ from typing import Any, Mapping, Optional
 import jax
 import numpy as np
 
-from funcreplay.host import table as table_lib
+from funcreplay.host import validation
 from funcreplay.host.itemcheck import ItemChecker, stack_leaf
 
 _NEVER = 1 << 62  # "no producer needs to wake the insert thread"
@@ -152,19 +152,19 @@ class Ingestor:
                sync_every: int = 16, name: str = "funcreplay-ingestor"):
     if not all(hasattr(table, a) for a in ("spec", "insert", "version")):
       raise TypeError(f"Ingestor expects a funcreplay Table, got {type(table).__name__}.")
-    batch_size = table_lib._check_int(batch_size, "Ingestor batch_size", 1, 2**30)
+    batch_size = validation.check_int(batch_size, "Ingestor batch_size", 1, 2**30)
     batch_size = min(batch_size, table.spec.capacity)  # Table.insert takes <= capacity rows
     if max_queue is None:
       max_queue = 8 * batch_size
-    max_queue = table_lib._check_int(max_queue, "Ingestor max_queue", 1, 2**40)
+    max_queue = validation.check_int(max_queue, "Ingestor max_queue", 1, 2**40)
     if max_queue < batch_size:
       raise ValueError(f"Ingestor: max_queue ({max_queue}) must be >= batch_size "
                        f"({batch_size}).")
     if on_full not in ("block", "raise"):
       raise ValueError(f"Ingestor: on_full must be 'block' or 'raise', got {on_full!r}.")
-    self._put_timeout = table_lib._check_timeout(put_timeout)
+    self._put_timeout = validation.check_timeout(put_timeout)
     for what, v in (("max_wait_s", max_wait_s), ("insert_poll_s", insert_poll_s)):
-      if table_lib._check_timeout(v) is None:
+      if validation.check_timeout(v) is None:
         raise ValueError(f"Ingestor: {what} must be a number of seconds >= 0, got None.")
     self._table = table
     self._spec = table.spec
@@ -178,7 +178,7 @@ class Ingestor:
     self._max_wait = float(max_wait_s)
     self._copy = bool(copy)
     self._poll = float(insert_poll_s)
-    self._sync_every = table_lib._check_int(sync_every, "Ingestor sync_every", 0, 2**30)
+    self._sync_every = validation.check_int(sync_every, "Ingestor sync_every", 0, 2**30)
     self._columns = tuple(self._spec.metadata)
 
     self._q: collections.deque = collections.deque()
@@ -263,14 +263,14 @@ class Ingestor:
     if b == 0:
       raise ValueError("Ingestor.put_batch: empty batch (B = 0); pass at least one item.")
     vers = [None] * b if version is None else \
-        table_lib._int_rows(version, b, "Ingestor.put_batch version").tolist()
-    prios = [None] * b if priority is None else table_lib._priority_rows(
+        validation.int_rows(version, b, "Ingestor.put_batch version").tolist()
+    prios = [None] * b if priority is None else validation.priority_rows(
         priority, b, "Ingestor.put_batch priority").tolist()
     metas = [None] * b
     extras = version is not None or priority is not None or metadata is not None
     if metadata is not None:
       cols = self._check_meta_keys(metadata, "Ingestor.put_batch")
-      rows = {k: table_lib._int_rows(v, b, f"Ingestor.put_batch metadata[{k!r}]").tolist()
+      rows = {k: validation.int_rows(v, b, f"Ingestor.put_batch metadata[{k!r}]").tolist()
               for k, v in cols.items()}
       metas = [{k: rows[k][i] for k in rows} for i in range(b)]
     if self._copy:
@@ -302,7 +302,7 @@ class Ingestor:
     Raises ``TimeoutError`` after ``timeout`` seconds (the items stay queued),
     ``IngestorError`` if the insert thread failed.
     """
-    timeout = table_lib._check_timeout(timeout)
+    timeout = validation.check_timeout(timeout)
     if self._error is not None:
       raise self._wrapped_error("flush")
     marker = _Marker()
@@ -332,7 +332,7 @@ class Ingestor:
 
     Returns the number of buckets compiled.
     """
-    scratch = table_lib.Table(self._spec)
+    scratch = type(self._table)(self._spec)  # a Table of the same class and spec
     try:
       sizes, k = [], 1
       while k < self._batch_size:
@@ -364,7 +364,7 @@ class Ingestor:
 
     Raises ``IngestorError`` (once) if the insert thread failed.
     """
-    timeout = table_lib._check_timeout(timeout)
+    timeout = validation.check_timeout(timeout)
     with self._lock:
       self._set_stopped()
       self._closing = True
@@ -436,11 +436,11 @@ class Ingestor:
 
   # -- producer helpers -------------------------------------------------------------------
   def _check_meta_keys(self, metadata, what) -> Mapping[str, Any]:
-    return table_lib.check_metadata_columns(metadata, self._columns, what)
+    return validation.check_metadata_columns(metadata, self._columns, what)
 
   def _check_extras(self, version, priority, metadata):
     if version is not None:
-      version = table_lib._check_int(version, "Ingestor.put version")
+      version = validation.check_int(version, "Ingestor.put version")
     if priority is not None:
       try:
         p = float(priority)
@@ -452,7 +452,7 @@ class Ingestor:
                          f"{priority!r}.")
       priority = p
     if metadata is not None:
-      metadata = {k: table_lib._check_int(v, f"Ingestor.put metadata[{k!r}]")
+      metadata = {k: validation.check_int(v, f"Ingestor.put metadata[{k!r}]")
                   for k, v in self._check_meta_keys(metadata, "Ingestor.put").items()}
     return version, priority, metadata
 

@@ -19,10 +19,10 @@ import jax
 import numpy as np
 import torch
 
+from funcreplay.core import caches
 from funcreplay.core.packing import PackedLayout, PackedSample, check_buffer
 from funcreplay.interop.torch.batches import TorchBatch, TorchInfo, importance_weights
 from funcreplay.interop.torch.dlpack import (
-from funcreplay.core import caches
   OnCopy,
   TransferReport,
   as_device,

@@ -1,0 +1,148 @@
+"""Host-side validation shared by ``Table`` and ``Ingestor``.
+
+Every input of a host call is checked here *before* the state is touched, so
+a bad call raises ``ValueError`` / ``TypeError`` naming what was wrong and
+leaves the table exactly as it was.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from funcreplay.core import selectors as sel
+from funcreplay.core.spec import TableSpec
+
+I32 = np.iinfo(np.int32)
+
+Where = Union[None, np.ndarray, jax.Array, Mapping[str, Union[int, Sequence[int]]]]
+
+
+def is_torch_tensor(x) -> bool:
+  """True if ``x`` is a ``torch.Tensor``, checked without importing torch (a tensor
+  exists only once torch is imported)."""
+  torch = sys.modules.get("torch")
+  return torch is not None and isinstance(x, torch.Tensor)
+
+
+def bucket(n: int, cap: int) -> int:
+  """Smallest power of two >= n, capped at ``cap`` (n <= cap)."""
+  return min(1 << max(0, (n - 1).bit_length()), cap)
+
+
+def as_array(x, what: str) -> np.ndarray:
+  """numpy view of a numpy / JAX / torch (anything with ``__array__``) array or a list."""
+  try:
+    a = np.asarray(x)
+  except Exception as e:  # noqa: BLE001 (re-raised with context)
+    raise TypeError(f"{what}: cannot convert {type(x).__name__} to an array ({e}).") from None
+  if a.dtype == object:
+    raise TypeError(f"{what}: expected numbers, got {type(x).__name__} of Python objects.")
+  return a
+
+
+def int_rows(x, n: int, what: str, lo: int = I32.min, hi: int = I32.max) -> np.ndarray:
+  """int32[n] from a scalar or an ``[n]`` integer array; range-checked."""
+  a = as_array(x, what)
+  if a.dtype.kind not in "iu":
+    raise TypeError(f"{what}: expected integers, got dtype {a.dtype.name}.")
+  if a.ndim > 1 or (a.ndim == 1 and a.shape[0] != n):
+    raise ValueError(f"{what}: expected a scalar or shape [{n}], got {list(a.shape)}.")
+  if a.size and (a.min() < lo or a.max() > hi):
+    raise ValueError(f"{what}: values must lie in [{lo}, {hi}], got range "
+                     f"[{a.min()}, {a.max()}].")
+  return np.broadcast_to(a.astype(np.int64), (n,)).astype(np.int32)
+
+
+def priority_rows(x, n: int, what: str, check: Optional[np.ndarray] = None) -> np.ndarray:
+  """float32[n] priorities; NaN / inf / negative (where ``check``) -> ValueError."""
+  a = as_array(x, what)
+  if a.dtype.kind not in "fiu":
+    raise TypeError(f"{what}: expected a float array, got dtype {a.dtype.name}.")
+  if a.ndim > 1 or (a.ndim == 1 and a.shape[0] != n):
+    raise ValueError(f"{what}: expected a scalar or shape [{n}], got {list(a.shape)}.")
+  with np.errstate(over="ignore", invalid="ignore"):
+    p = np.broadcast_to(a.astype(np.float32), (n,))
+  bad = ~np.isfinite(p) | (p < 0)
+  if check is not None:
+    bad &= check
+  if bad.any():
+    i = int(np.argmax(bad))
+    raise ValueError(f"{what}: priorities must be finite and >= 0 (as float32); row {i} is "
+                     f"{a.reshape(-1)[i if a.ndim else 0]!r} ({int(bad.sum())} bad rows). "
+                     "Clip or fix them before calling.")
+  return np.ascontiguousarray(p)
+
+
+def has_denormal(p: np.ndarray, rows: np.ndarray) -> bool:
+  """True if a float32 ``p`` on ``rows`` is denormal (nonzero, below the smallest normal)."""
+  a = np.abs(p[rows])
+  return bool(np.any((a > 0) & (a < np.finfo(np.float32).tiny)))
+
+
+def pad(a: np.ndarray, n: int, fill=0) -> np.ndarray:
+  if a.shape[0] == n:
+    return a
+  out = np.full((n, *a.shape[1:]), fill, a.dtype)
+  out[:a.shape[0]] = a
+  return out
+
+
+def pad_leaf(x, n: int):
+  """Pad a numpy or JAX leaf ``[B, ...]`` with zero rows to ``[n, ...]``."""
+  b = x.shape[0]
+  if b == n:
+    return x
+  if isinstance(x, jax.Array):
+    return jnp.concatenate([x, jnp.zeros((n - b, *x.shape[1:]), x.dtype)])
+  return pad(np.asarray(x), n)
+
+
+def describe_limiter(spec: TableSpec) -> str:
+  lim = spec.rate_limiter
+  if math.isinf(lim.max_diff) and math.isinf(lim.min_diff):
+    return f"MinSize({lim.min_size_to_sample})"
+  if (lim.samples_per_insert == 1.0 and lim.min_size_to_sample == 1 and lim.min_diff == 0.0):
+    name = "Stack" if isinstance(spec.sampler, sel.Lifo) else "Queue"
+    return f"{name}({int(lim.max_diff)})"
+  return (f"SampleToInsertRatio(samples_per_insert={lim.samples_per_insert}, "
+          f"min_size_to_sample={lim.min_size_to_sample}, window=[{lim.min_diff}, "
+          f"{lim.max_diff}])")
+
+
+def check_metadata_columns(metadata, columns, what: str) -> Mapping[str, Any]:
+  """``metadata`` if it is a dict over (a subset of) ``columns``; else a clear error."""
+  if not isinstance(metadata, Mapping):
+    raise TypeError(f"{what}: metadata must be a dict column -> ints, got "
+                    f"{type(metadata).__name__}.")
+  unknown = sorted(set(metadata) - set(columns))
+  if unknown:
+    raise ValueError(f"{what}: unknown metadata columns {unknown}; the spec declares "
+                     f"{list(columns)}.")
+  return metadata
+
+
+def check_int(x, what: str, lo: int = I32.min, hi: int = I32.max) -> int:
+  if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+    if isinstance(x, (np.ndarray, jax.Array)) and x.ndim == 0 and x.dtype.kind in "iu":
+      x = int(x)
+    else:
+      raise TypeError(f"{what} must be an int, got {type(x).__name__} {x!r}.")
+  if not lo <= int(x) <= hi:
+    raise ValueError(f"{what} must lie in [{lo}, {hi}], got {int(x)}.")
+  return int(x)
+
+
+def check_timeout(timeout) -> Optional[float]:
+  if timeout is None:
+    return None
+  if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) \
+      or timeout < 0:
+    raise ValueError(f"timeout must be None (wait forever) or a number of seconds >= 0, "
+                     f"got {timeout!r}.")
+  return float(timeout)
