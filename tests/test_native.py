@@ -2,7 +2,7 @@
 
 The random streams differ, so the kernel is checked in two ways:
 * exactly: given the slots the kernel picked, the portable bookkeeping
-  (``sampling._finish``: reuse counts, frees, counters, version index, the
+  (``sampling.finish``: reuse counts, frees, counters, version index, the
   gathered rows and info) applied to the same state must give bit-identical
   state and outputs;
 * statistically: inclusion counts are uniform over exactly the eligible slots
@@ -34,7 +34,8 @@ from funcreplay import native
 from funcreplay.core import ops
 from funcreplay.core import packing
 from funcreplay.core import sampling
-from funcreplay.core import state as state_lib
+from funcreplay.checkpoint import record
+from funcreplay.core import ledger
 from funcreplay.native import sample as native_sample
 from tests.helpers import ITEM, assert_trees_consistent, items_from_ids, require_native_kernels
 
@@ -149,7 +150,7 @@ def test_state_and_outputs_match_portable_bookkeeping(cap, filled, b, replace, m
         n_elig = ops.count(spec, s, where, ver)
         prob = jnp.full(picked.shape, 1.0, jnp.float32) / jnp.maximum(n_elig, 1).astype(
             jnp.float32)
-      return sampling._finish(spec, s, picked, prob, n_elig, ver, replace)  # noqa: SLF001
+      return sampling.finish(spec, s, picked, prob, n_elig, ver, replace)
 
     ref_state, ref_out = jax.jit(expected)(st, picked)
     assert_states_equal(new, ref_state, "state")
@@ -181,8 +182,8 @@ def test_state_and_outputs_match_portable_bookkeeping(cap, filled, b, replace, m
 
 def assert_states_equal(a, b, what):
   """Leaf for leaf, bit for bit; the ledger unpacked, so a failure names the counter."""
-  la = jax.tree_util.tree_leaves_with_path(state_lib.to_record(a))
-  lb = jax.tree_util.tree_leaves(state_lib.to_record(b))
+  la = jax.tree_util.tree_leaves_with_path(record.to_record(a))
+  lb = jax.tree_util.tree_leaves(record.to_record(b))
   assert len(la) == len(lb)
   for (path, x), y in zip(la, lb):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
@@ -440,7 +441,7 @@ def test_kernels_refuse_a_ledger_layout_that_does_not_fit(monkeypatch):
   }
   good = native.ledger_attr(spec)
   bad = good.copy()
-  bad[4] = state_lib.LEDGER_SIZE - 1  # the inserts counter's second word off the end
+  bad[4] = ledger.LEDGER_SIZE - 1  # the inserts counter's second word off the end
   for kernel, call in calls.items():
     with monkeypatch.context() as m:
       m.setattr(native, "ledger_attr", lambda _: bad)

@@ -35,8 +35,8 @@ exactly the array bytes (trivially byte-exact, readable with bare numpy), and
 crash-safety is a few lines we can test (temp dir + fsync + rename). Orbax
 would be the right tool for multi-host states too big to gather on one host
 (each process writing its own shards); here sharded states are gathered to
-the host (``sharding.gather_state``) and re-laid out on restore with
-``sharding.shard_state``.
+the host (``distributed.gather_state``) and re-laid out on restore with
+``distributed.shard_state``.
 
 Mismatches are errors: restoring into a spec that differs (capacity,
 signature leaf shape/dtype/structure, sampler, remover, limits, rate

@@ -3,8 +3,8 @@
 A state is either an ordinary ``TableState`` (slot columns ``[C]``) or a
 sharded one from ``funcreplay.sharding`` (every leaf ``[S, ...]``); the
 manifest records which (``num_shards``). Sharded states are gathered to the
-host before writing (``sharding.gather_state``; in one process every shard is
-addressable) and laid out again on restore with ``sharding.shard_state``.
+host before writing (``distributed.gather_state``; in one process every shard is
+addressable) and laid out again on restore with ``distributed.shard_state``.
 """
 
 from __future__ import annotations
@@ -20,15 +20,14 @@ import jax
 import numpy as np
 
 from funcreplay import distributed as shd
-from funcreplay.core import staleness
-from funcreplay.core import state as state_lib
 from funcreplay.checkpoint import format as fmt
-from funcreplay.checkpoint import layout, migrate, spec_codec
+from funcreplay.checkpoint import layout, migrate, record, spec_codec
 from funcreplay.checkpoint.errors import CheckpointError
+from funcreplay.core import caches, ledger, staleness
+from funcreplay.core import state as state_lib
 from funcreplay.core.spec import TableSpec
-from funcreplay.core.version import VERSION
 from funcreplay.core.state import TableState
-from funcreplay.core import caches
+from funcreplay.core.version import VERSION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +64,8 @@ def _leaf_name(path) -> str:
 def _expected(spec: TableSpec, num_shards: Optional[int]) -> Tuple[Any, Tuple[Any, ...]]:
   """``(treedef, ((leaf name, shape, np.dtype), ...))`` of a state of ``spec``."""
   local = spec if num_shards is None else spec.replace(capacity=spec.capacity // num_shards)
-  # On disk: the ledger unpacked (state_lib.StateRecord), one array per scalar/counter.
-  shapes = jax.eval_shape(lambda: state_lib.to_record(state_lib.init_state(local)))
+  # On disk: the ledger unpacked (record.StateRecord), one array per scalar/counter.
+  shapes = jax.eval_shape(lambda: record.to_record(state_lib.init_state(local)))
   leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   lead = () if num_shards is None else (num_shards,)
   return treedef, tuple((_leaf_name(p), lead + tuple(s.shape), np.dtype(s.dtype))
@@ -92,11 +91,11 @@ def _num_shards(state: TableState, spec: TableSpec) -> Optional[int]:
 def _check_state(state: TableState, spec: TableSpec, num_shards: Optional[int]) -> None:
   treedef, expected = _expected(spec, num_shards)
   lead = () if num_shards is None else (num_shards,)
-  want = lead + (state_lib.LEDGER_SIZE,)
+  want = lead + (ledger.LEDGER_SIZE,)
   if tuple(np.shape(state.ledger)) != want or np.dtype(state.ledger.dtype) != np.uint32:
     raise ValueError(f"save: state.ledger is {np.dtype(state.ledger.dtype).name}"
                      f"{list(np.shape(state.ledger))}, the spec needs uint32{list(want)}.")
-  got, got_def = jax.tree_util.tree_flatten_with_path(state_lib.to_record(state))
+  got, got_def = jax.tree_util.tree_flatten_with_path(record.to_record(state))
   if got_def != treedef:
     raise ValueError(f"save: the state's structure does not match the spec.\n  expected: "
                      f"{treedef}\n  got:      {got_def}")
@@ -152,7 +151,7 @@ def save(path, state: TableState, spec: TableSpec, *, extra: Any = None,
     # return at once: synchronise (multihost_utils.sync_global_devices)
     # before reading the checkpoint elsewhere.
     return os.path.abspath(os.fspath(path))
-  leaves, _ = jax.tree_util.tree_flatten_with_path(state_lib.to_record(host_np))
+  leaves, _ = jax.tree_util.tree_flatten_with_path(record.to_record(host_np))
   arrays = [(_leaf_name(p), np.asarray(x)) for p, x in leaves]
   header = {
       "funcreplay_version": VERSION,
@@ -304,7 +303,7 @@ def restore(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bo
   treedef = _check_arrays(manifest, saved_spec, num_shards, mpath)
   arrays = _add_derived(fmt.read_arrays(path, manifest, verify=verify), manifest, saved_spec,
                         num_shards)
-  state = state_lib.from_record(jax.tree_util.tree_unflatten(treedef, arrays))
+  state = record.from_record(jax.tree_util.tree_unflatten(treedef, arrays))
   if spec.capacity != saved_spec.capacity:
     state = (migrate.grow(saved_spec, spec, state) if num_shards is None
              else migrate.grow_sharded(saved_spec, spec, state, num_shards))

@@ -26,12 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcreplay.core import indexes
+from funcreplay.core import caches, indexes
 from funcreplay.core import selectors as sel
 from funcreplay.core import state as state_lib
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
-from funcreplay.core import caches
 
 _COLUMNS = ("occupied", "key", "version", "times_sampled", "priority")
 

@@ -20,9 +20,9 @@ from typing import Any, Dict, List
 
 import numpy as np
 
+from funcreplay.checkpoint.errors import CheckpointError
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
-from funcreplay.checkpoint.errors import CheckpointError
 from funcreplay.core.signature import Signature
 from funcreplay.core.spec import TableSpec
 

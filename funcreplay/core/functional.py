@@ -6,8 +6,7 @@ import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 from funcreplay.core import executor as executor_lib
-from funcreplay.core import ops
-from funcreplay.core import sampling
+from funcreplay.core import ops, sampling
 from funcreplay.core import state as state_lib
 from funcreplay.core.spec import TableSpec
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay.core import ordering
-from funcreplay.core import staleness
-from funcreplay.core import trees
+from funcreplay.core import numerics, ordering, staleness, trees
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -20,7 +18,7 @@ from funcreplay.core.state import TableState
 def sample_weight(spec: TableSpec, occupied, priority):
   """Sampling weight of a slot for the prioritized sampler: ``p**alpha`` (0 if free)."""
   alpha = spec.sampler.priority_exponent
-  w = jnp.where(priority > 0, jnp.power(jnp.maximum(priority, 1e-30), alpha), 0.0)
+  w = jnp.where(priority > 0, jnp.power(jnp.maximum(priority, numerics.TINY), alpha), 0.0)
   return jnp.where(occupied, w, 0.0).astype(jnp.float32)
 
 

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from funcreplay.core import caches
 from funcreplay.core.signature import Signature
 from funcreplay.core.state import Sample, SampleInfo
-from funcreplay.core import caches
 
 ALIGN = 64  # bytes; every field starts at a multiple (cache line, any SIMD width)
 

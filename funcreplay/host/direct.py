@@ -46,8 +46,8 @@ import numpy as np
 
 from funcreplay.core import packing
 from funcreplay.core import selectors as sel
-from funcreplay.native import build
 from funcreplay.core.spec import TableSpec
+from funcreplay.native import build
 
 # The layout of direct.cc's configuration and pointer vectors.
 _ABI_VERSION = 2

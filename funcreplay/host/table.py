@@ -40,10 +40,10 @@ from funcreplay.host.ingest import Ingestor
 from funcreplay.host.programs import ops_for as _ops_for
 from funcreplay.host.table_sampling import SamplingMixin
 from funcreplay.host.table_updates import UpdatesMixin
-from funcreplay.host.validation import check_metadata_columns
 from funcreplay.host.validation import as_array as _as_array
 from funcreplay.host.validation import bucket as _bucket
 from funcreplay.host.validation import check_int as _check_int
+from funcreplay.host.validation import check_metadata_columns
 from funcreplay.host.validation import check_timeout as _check_timeout
 from funcreplay.host.validation import describe_limiter as _describe_limiter
 from funcreplay.host.validation import int_rows as _int_rows

@@ -31,11 +31,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from funcreplay.core import ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
-from funcreplay.core import state as state_lib
-from funcreplay.native.build import error, load
 from funcreplay.core.spec import TableSpec
+from funcreplay.native.build import error, load
 
 __all__ = ["available", "default", "error", "ledger_attr", "set_default", "supports_insert",
            "supports_sample", "supports_update_priorities"]
@@ -86,10 +86,10 @@ def supports_sample(spec: TableSpec, stratified: bool) -> bool:
 def ledger_attr(spec: TableSpec) -> np.ndarray:
   """The kernels' ``ledger`` attribute: int64[13 + 3].
 
-  The word of each ledger entry (``state.ledger_words()``: the four scalars,
-  then the counters in ``state.COUNTERS`` order; ``LedgerEntry`` in
+  The word of each ledger entry (``ledger.ledger_words()``: the four scalars,
+  then the counters in ``ledger.COUNTERS`` order; ``LedgerEntry`` in
   kernels.cc), then the rate limiter's ``[p, q, DIFF_LIMIT]`` for
   ``rate_limiters.update_diff``.
   """
   p, q = spec.rate_limiter.ratio
-  return np.array([*state_lib.ledger_words(), p, q, rl.DIFF_LIMIT], np.int64)
+  return np.array([*ledger.ledger_words(), p, q, rl.DIFF_LIMIT], np.int64)

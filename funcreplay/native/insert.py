@@ -15,8 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from funcreplay.core import indexes
 from funcreplay import native
+from funcreplay.core import indexes
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 

@@ -14,10 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from funcreplay.core import indexes
 from funcreplay import native
-from funcreplay.core import ops
-from funcreplay.core import staleness
+from funcreplay.core import indexes, ops, staleness
 from funcreplay.core import selectors as sel
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import Sample, SampleInfo, TableState

@@ -1,4 +1,4 @@
-"""The pure table operations (everything except ``sample``).
+"""``insert``: a batch of items into free slots, or over the remover's victims.
 
 Every function takes the static ``TableSpec`` first and is meant to be closed
 over by ``make_table``. All are jit-, scan- and vmap-compatible; shapes that
@@ -7,7 +7,6 @@ must be static (batch sizes) come from the arguments' shapes.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping, Optional
 
 import jax
@@ -15,97 +14,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import executor
-from funcreplay.core import indexes
-from funcreplay.core import inplace
-from funcreplay.core import staleness
-from funcreplay.core import trees
+from funcreplay.core import executor, indexes, inplace, staleness, trees
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
+from funcreplay.core.ops.remove import remove
+from funcreplay.core.ops.rows import batch_size as _batch_size
+from funcreplay.core.ops.rows import rows as _rows
+from funcreplay.core.ops.rows import sanitize_priorities as _sanitize_priorities
+from funcreplay.core.ops.rows import take
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
 # --- helpers ----------------------------------------------------------------
-
-def _batch_size(spec: TableSpec, items) -> int:
-  leaves = spec.signature.treedef.flatten_up_to(items)
-  sizes = set()
-  for name, s, leaf in zip(spec.signature.names, spec.signature.leaves, leaves, strict=True):
-    shape = tuple(jnp.shape(leaf))
-    if shape[1:] != tuple(s.shape) or len(shape) != len(s.shape) + 1:
-      raise ValueError(f"insert: item leaf {name}: expected shape [B, "
-                       f"{', '.join(map(str, s.shape))}], got {list(shape)}.")
-    if jnp.result_type(leaf) != s.dtype:
-      raise TypeError(f"insert: item leaf {name}: expected dtype {s.dtype}, got "
-                      f"{jnp.result_type(leaf)}.")
-    sizes.add(shape[0])
-  if len(sizes) != 1:
-    raise ValueError(f"insert: item leaves disagree on the batch size: {sorted(sizes)}.")
-  return sizes.pop()
-
-
-def _rows(x, b, dtype, name):
-  x = jnp.asarray(x)
-  if x.ndim not in (0, 1) or (x.ndim == 1 and x.shape[0] != b):
-    raise ValueError(f"{name} must be a scalar or have shape [{b}], got {list(x.shape)}.")
-  return jnp.broadcast_to(x, (b,)).astype(dtype)
-
-
-def _sanitize_priorities(p, counted):
-  """Negative / NaN / inf -> 0 (documented); returns (clean, n_invalid)."""
-  bad = ~jnp.isfinite(p) | (p < 0)
-  return jnp.where(bad, 0.0, p).astype(jnp.float32), jnp.sum(bad & counted).astype(jnp.uint32)
-
-
-def last_occurrence(slots, valid):
-  """bool[K]: True at the last valid occurrence of each slot (O(K log K))."""
-  k = slots.shape[0]
-  sort_key = jnp.where(valid, slots, jnp.iinfo(jnp.int32).max)
-  pos = jnp.arange(k, dtype=jnp.int32)
-  s_key, s_pos = lax.sort((sort_key, pos), num_keys=1, is_stable=True)
-  is_last_sorted = jnp.concatenate([s_key[1:] != s_key[:-1], jnp.ones((1,), bool)])
-  is_last = jnp.zeros((k,), bool).at[s_pos].set(is_last_sorted)
-  return is_last & valid
-
-
-def _key_matches(state: TableState, slots, keys):
-  c = state.occupied.shape[0]
-  slots = jnp.asarray(slots, jnp.int32)
-  in_range = (slots >= 0) & (slots < c)
-  safe = jnp.where(in_range, slots, 0)
-  ok = in_range & state.occupied[safe] & (state.key[safe] == jnp.asarray(keys, jnp.uint32))
-  return safe, ok
-
-
-def take(col, slots):
-  """``col[slots]`` as a real gather even for one slot.
-
-  A one-row gather lowers to a dynamic slice, which XLA re-fuses into every
-  consumer; a consumer not ordered before a later in-place write of ``col``
-  then costs a copy of the whole column. Two indices keep it a gather.
-  """
-  if slots.shape[0] == 1:
-    return col[jnp.concatenate([slots, slots])][:1]
-  return col[slots]
-
-
-def remove(spec: TableSpec, state: TableState, slots, mask, cause: str) -> TableState:
-  """Free ``slots[mask]`` (unique), counting them under ``cause``. Trees not refreshed."""
-  n = jnp.sum(mask).astype(jnp.uint32)
-  reuse = take(state.times_sampled, slots)
-  # The caller may overwrite times_sampled next (insert): order that after this read.
-  state = state.replace(times_sampled=inplace.tie(state.times_sampled, inplace.never(reuse)))
-  if spec.max_staleness is not None:
-    versions = take(state.version, slots)
-    hist, bounds = staleness.on_remove(spec, state.version_hist, state.version_bounds,
-                                       versions, mask)
-    state = state.replace(version_hist=hist, version_bounds=bounds)
-  c = dict(state.counters)
-  c[cause] = ctr.add(c[cause], n)
-  c["removed_reuse_sum"] = ctr.add_sum(c["removed_reuse_sum"], reuse, mask)
-  occupied = state.occupied.at[jnp.where(mask, slots, state.occupied.shape[0])].set(
-      False, mode="drop")
-  return state.replace(occupied=occupied, counters=c)
 
 
 def _scatter_rows(tree_data, slots, rows_data, write):
@@ -281,165 +201,10 @@ def _insert_with_victims(spec, state, need, items, columns, rng):
 
 # --- delete / priorities / metadata ------------------------------------------
 
-def delete(spec: TableSpec, state: TableState, slots, keys) -> TableState:
-  """Remove the items at ``slots`` whose key still equals ``keys`` (int32/uint32 [K])."""
-  safe, ok = _key_matches(state, slots, keys)
-  ok = last_occurrence(safe, ok)
-  state = remove(spec, state, safe, ok, "deletes")
-  return indexes.refresh(spec, state, safe, ok)
-
-
-def update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities, *,
-                      native: Optional[executor.Executor] = None) -> TableState:
-  """Set priorities where the slot still holds ``keys``; others are ignored.
-
-  Duplicate slots in one call: the last occurrence wins. Negative, NaN or
-  infinite priorities are stored as 0 and counted in
-  ``stats().invalid_priorities`` (the host ``Table`` raises instead).
-  ``native``: an executor (``core.executor``) whose CPU kernel runs where one applies.
-  """
-  slots = jnp.asarray(slots, jnp.int32)
-  priorities = jnp.broadcast_to(jnp.asarray(priorities, jnp.float32), slots.shape)
-  keys = jnp.broadcast_to(jnp.asarray(keys, jnp.uint32), slots.shape)
-  native = executor.check(native, "update_priorities")
-  if native and native.supports_update_priorities(spec) and native.available():
-    return lax.platform_dependent(
-        state, cpu=lambda st: native.update_priorities(spec, st, slots, keys, priorities),
-        default=lambda st: _update_priorities(spec, st, slots, keys, priorities))
-  return _update_priorities(spec, state, slots, keys, priorities)
-
-
-def _update_priorities(spec, state, slots, keys, priorities):
-  safe, ok = _key_matches(state, slots, keys)
-  win = last_occurrence(safe, ok)
-  clean, n_bad = _sanitize_priorities(priorities, win)
-  prio = state.priority.at[jnp.where(win, safe, spec.capacity)].set(clean, mode="drop")
-  c = dict(state.counters)
-  c["invalid_priorities"] = ctr.add(c["invalid_priorities"], n_bad)
-  max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(win, clean, 0.0), initial=0.0))
-  state = state.replace(priority=prio, counters=c, max_priority=max_p)
-  # Occupancy is unchanged: only the trees ordered by priority move.
-  return indexes.refresh(spec, state, safe, win, which=("weight_tree", "remover_tree"))
-
-
-def set_metadata(spec: TableSpec, state: TableState, slots, keys, column: str,
-                 values) -> TableState:
-  """Set metadata ``column`` where the slot still holds ``keys`` (last write wins)."""
-  if column not in spec.metadata:
-    raise ValueError(f"set_metadata: unknown column {column!r}; the spec declares "
-                     f"{list(spec.metadata)}.")
-  slots = jnp.asarray(slots, jnp.int32)
-  values = jnp.broadcast_to(jnp.asarray(values, jnp.int32), slots.shape)
-  safe, ok = _key_matches(state, slots, keys)
-  win = last_occurrence(safe, ok)
-  col = state.metadata[column].at[jnp.where(win, safe, spec.capacity)].set(values, mode="drop")
-  return state.replace(metadata={**state.metadata, column: col})
-
 
 # --- staleness ----------------------------------------------------------------
-
-def stale_mask(spec: TableSpec, state: TableState, version):
-  """bool[C]: occupied items older than ``max_staleness`` at ``version``."""
-  if spec.max_staleness is None:
-    return jnp.zeros_like(state.occupied)
-  return state.occupied & (state.version < staleness.threshold(spec, version))
-
-
-def evict_stale(spec: TableSpec, state: TableState, version) -> TableState:
-  """Free every item too stale for ``version``. O(C)."""
-  if spec.max_staleness is None:
-    raise ValueError("evict_stale: the table has no max_staleness; set TableSpec.max_staleness.")
-  stale = stale_mask(spec, state, version)
-  slots = jnp.arange(spec.capacity, dtype=jnp.int32)
-  state = remove(spec, state, slots, stale, "evicted_stale")
-  return indexes.rebuild(spec, state)
 
 
 # --- queries ------------------------------------------------------------------
 
-def eligible_mask(spec: TableSpec, state: TableState, version=None, where=None):
-  """bool[C]: items a sample at ``version`` restricted to ``where`` may return."""
-  ok = state.occupied
-  if version is not None and spec.max_staleness is not None:
-    ok = ok & ~stale_mask(spec, state, version)
-  if where is not None:
-    where = jnp.asarray(where)
-    if where.shape != (spec.capacity,) or where.dtype != jnp.bool_:
-      raise ValueError(f"where must be a bool mask of shape [{spec.capacity}] over slots, got "
-                       f"{where.dtype}{list(where.shape)}.")
-    ok = ok & where
-  return ok
 
-
-def masks_active(spec: TableSpec, version, where) -> bool:
-  return where is not None or (version is not None and spec.max_staleness is not None)
-
-
-def count(spec: TableSpec, state: TableState, where=None, version=None, size=None):
-  """Number of eligible items (int32[]).
-
-  O(1) without masks; with only the staleness mask, O(1) or O(V) from the
-  version index in the steady state (see ``funcreplay.staleness``); O(C)
-  with ``where`` or when the index cannot answer. ``size``: ``state.size``
-  if the caller already read it (``sample`` reads it once, see ``inplace``).
-  """
-  size = state.size if size is None else size
-  if not masks_active(spec, version, where):
-    return size
-  full = lambda: jnp.sum(eligible_mask(spec, state, version, where), dtype=jnp.int32)  # noqa: E731
-  if where is not None:
-    return full()
-  return staleness.count_fresh(spec, state.version_hist, state.version_bounds, size,
-                               staleness.threshold(spec, version), full)
-
-
-def can_insert(spec: TableSpec, state: TableState, num_items=1):
-  """Rate limiter: may ``num_items`` be inserted now? bool[]."""
-  return spec.rate_limiter.can_insert(state.size, state.limiter_diff, num_items)
-
-
-def can_sample(spec: TableSpec, state: TableState, batch_size=1, version=None, where=None):
-  """Rate limiter allows ``batch_size`` samples *and* that many items are eligible."""
-  return (spec.rate_limiter.can_sample(state.size, state.limiter_diff, batch_size)
-          & (count(spec, state, where, version) >= batch_size))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Stats:
-  """Pure table statistics (all arrays). ``to_dict()`` gives Python numbers.
-
-  Counters are two-word ``uint32[2]`` values (exact past 2**32).
-  """
-
-  size: jnp.ndarray
-  capacity: jnp.ndarray
-  counters: dict
-  mean_reuse_at_eviction: jnp.ndarray
-  mean_staleness_sampled: jnp.ndarray
-  max_priority: jnp.ndarray
-
-  def to_dict(self) -> dict:
-    out = {"size": int(self.size), "capacity": int(self.capacity)}
-    out.update({k: ctr.to_int(v) for k, v in self.counters.items()})
-    removed = sum(out[k] for k in ("deletes", "evicted_capacity", "evicted_stale", "evicted_reuse"))
-    out["mean_reuse_at_eviction"] = out["removed_reuse_sum"] / removed if removed else 0.0
-    out["mean_staleness_sampled"] = (out["sampled_staleness_sum"] / out["samples"]
-                                     if out["samples"] else 0.0)
-    out["max_priority"] = float(self.max_priority)
-    return out
-
-
-def stats(spec: TableSpec, state: TableState) -> Stats:
-  """Size, counters, evictions by cause, mean reuse at eviction, mean staleness sampled."""
-  c = state.counters
-  removed = sum(ctr.to_float(c[k]) for k in ("deletes", "evicted_capacity", "evicted_stale",
-                                               "evicted_reuse"))
-  samples = ctr.to_float(c["samples"])
-  return Stats(
-      size=state.size, capacity=jnp.int32(spec.capacity), counters=dict(c),
-      mean_reuse_at_eviction=jnp.where(removed > 0, ctr.to_float(c["removed_reuse_sum"])
-                                       / jnp.maximum(removed, 1), 0.0),
-      mean_staleness_sampled=jnp.where(samples > 0, ctr.to_float(c["sampled_staleness_sum"])
-                                       / jnp.maximum(samples, 1), 0.0),
-      max_priority=state.max_priority)

@@ -64,19 +64,19 @@ default; set ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (or
 """
 
 from funcreplay.interop.torch.batches import (
-                                      TorchBatch,
-                                      TorchInfo,
-                                      priorities_to_numpy,
-                                      sample_to_torch,
-                                      update_priorities,
+    TorchBatch,
+    TorchInfo,
+    priorities_to_numpy,
+    sample_to_torch,
+    update_priorities,
 )
 from funcreplay.interop.torch.dlpack import (
-                                      BridgeCopyWarning,
-                                      TransferReport,
-                                      from_torch,
-                                      from_torch_with_report,
-                                      to_torch,
-                                      to_torch_with_report,
+    BridgeCopyWarning,
+    TransferReport,
+    from_torch,
+    from_torch_with_report,
+    to_torch,
+    to_torch_with_report,
 )
 from funcreplay.interop.torch.packed import packed_batches, packed_to_torch
 from funcreplay.interop.torch.sampler import TorchSampler

@@ -10,13 +10,14 @@ import jax
 import numpy as np
 import torch
 
+from funcreplay.core import numerics
 from funcreplay.core.state import Sample
 from funcreplay.interop.torch.dlpack import (
-  OnCopy,
-  handle_copies,
-  move,
-  same_device,
-  to_torch_with_report,
+    OnCopy,
+    handle_copies,
+    move,
+    same_device,
+    to_torch_with_report,
 )
 
 # --- batches for a torch learner ---------------------------------------------------
@@ -140,10 +141,10 @@ class TorchBatch:
 def importance_weights(probability: torch.Tensor, valid: torch.Tensor, num_eligible: int,
              beta: float) -> torch.Tensor:
   """float32[B] ``(N * P(i))**-beta`` normalised by the batch max; 0 on invalid rows."""
-  p = torch.where(valid, probability, torch.ones_like(probability)).clamp_min(1e-30)
+  p = torch.where(valid, probability, torch.ones_like(probability)).clamp_min(numerics.TINY)
   w = torch.pow(p * float(max(num_eligible, 1)), -float(beta))
   w = torch.where(valid, w, torch.zeros_like(w))
-  return w / w.max().clamp_min(1e-30)
+  return w / w.max().clamp_min(numerics.TINY)
 
 
 def sample_to_torch(sample: Sample, *, device=None, beta: Optional[float] = None,

@@ -23,15 +23,15 @@ from funcreplay.core import caches
 from funcreplay.core.packing import PackedLayout, PackedSample, check_buffer
 from funcreplay.interop.torch.batches import TorchBatch, TorchInfo, importance_weights
 from funcreplay.interop.torch.dlpack import (
-  OnCopy,
-  TransferReport,
-  as_device,
-  check_on_copy,
-  dense_strides,
-  handle_copies,
-  jax_pointer,
-  move,
-  same_device,
+    OnCopy,
+    TransferReport,
+    as_device,
+    check_on_copy,
+    dense_strides,
+    handle_copies,
+    jax_pointer,
+    move,
+    same_device,
 )
 
 _INFO_FIELDS = ("slot", "key", "probability", "priority", "times_sampled", "version")

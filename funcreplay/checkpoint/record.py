@@ -1,0 +1,62 @@
+"""``StateRecord``: a ``TableState`` with the ledger unpacked, as checkpoints store it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+import jax
+
+from funcreplay.core.ledger import LEDGER_FIELDS, ledger_fields, pack_ledger
+from funcreplay.core.state import TableState
+
+
+def _register(cls):
+  fields = [f.name for f in dataclasses.fields(cls)]
+  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+
+
+@_register
+@dataclasses.dataclass(frozen=True)
+class StateRecord:
+  """A ``TableState`` with the ledger unpacked: every scalar and counter its own leaf.
+
+  The checkpoint format stores this layout (one named array per leaf:
+  ``.write_pos``, ``.counters['inserts']``, ...), so checkpoints do not
+  depend on how the ledger packs its words. Fields as in ``TableState``;
+  ``write_pos``, ``next_key``, ``max_priority``, ``limiter_diff`` and
+  ``counters`` as its properties describe.
+  """
+
+  data: Any
+  occupied: Any
+  key: Any
+  version: Any
+  times_sampled: Any
+  priority: Any
+  metadata: Dict[str, Any]
+  occ_tree: Any
+  weight_tree: Any
+  remover_tree: Any
+  version_hist: Any
+  version_bounds: Any
+  write_pos: Any
+  next_key: Any
+  max_priority: Any
+  limiter_diff: Any
+  counters: Dict[str, Any]
+
+
+_COLUMN_FIELDS = tuple(f.name for f in dataclasses.fields(TableState) if f.name != "ledger")
+
+
+def to_record(state: TableState) -> StateRecord:
+  """``state`` with its ledger unpacked (numpy in, numpy out)."""
+  return StateRecord(**{name: getattr(state, name) for name in _COLUMN_FIELDS},
+                     **ledger_fields(state))
+
+
+def from_record(record: StateRecord) -> TableState:
+  """The ``TableState`` of a ``StateRecord`` (the inverse of ``to_record``)."""
+  return TableState(**{name: getattr(record, name) for name in _COLUMN_FIELDS},
+                    ledger=pack_ledger(**{name: getattr(record, name) for name in LEDGER_FIELDS}))

@@ -1,0 +1,63 @@
+"""Keyed updates: ``update_priorities`` and ``set_metadata`` (by slot and key)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+from jax import lax
+
+from funcreplay.core import counters as ctr
+from funcreplay.core import executor, indexes
+from funcreplay.core.ops.rows import key_matches as _key_matches
+from funcreplay.core.ops.rows import last_occurrence
+from funcreplay.core.ops.rows import sanitize_priorities as _sanitize_priorities
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import TableState
+
+
+def update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities, *,
+                      native: Optional[executor.Executor] = None) -> TableState:
+  """Set priorities where the slot still holds ``keys``; others are ignored.
+
+  Duplicate slots in one call: the last occurrence wins. Negative, NaN or
+  infinite priorities are stored as 0 and counted in
+  ``stats().invalid_priorities`` (the host ``Table`` raises instead).
+  ``native``: an executor (``core.executor``) whose CPU kernel runs where one applies.
+  """
+  slots = jnp.asarray(slots, jnp.int32)
+  priorities = jnp.broadcast_to(jnp.asarray(priorities, jnp.float32), slots.shape)
+  keys = jnp.broadcast_to(jnp.asarray(keys, jnp.uint32), slots.shape)
+  native = executor.check(native, "update_priorities")
+  if native and native.supports_update_priorities(spec) and native.available():
+    return lax.platform_dependent(
+        state, cpu=lambda st: native.update_priorities(spec, st, slots, keys, priorities),
+        default=lambda st: _update_priorities(spec, st, slots, keys, priorities))
+  return _update_priorities(spec, state, slots, keys, priorities)
+
+
+def _update_priorities(spec, state, slots, keys, priorities):
+  safe, ok = _key_matches(state, slots, keys)
+  win = last_occurrence(safe, ok)
+  clean, n_bad = _sanitize_priorities(priorities, win)
+  prio = state.priority.at[jnp.where(win, safe, spec.capacity)].set(clean, mode="drop")
+  c = dict(state.counters)
+  c["invalid_priorities"] = ctr.add(c["invalid_priorities"], n_bad)
+  max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(win, clean, 0.0), initial=0.0))
+  state = state.replace(priority=prio, counters=c, max_priority=max_p)
+  # Occupancy is unchanged: only the trees ordered by priority move.
+  return indexes.refresh(spec, state, safe, win, which=("weight_tree", "remover_tree"))
+
+
+def set_metadata(spec: TableSpec, state: TableState, slots, keys, column: str,
+                 values) -> TableState:
+  """Set metadata ``column`` where the slot still holds ``keys`` (last write wins)."""
+  if column not in spec.metadata:
+    raise ValueError(f"set_metadata: unknown column {column!r}; the spec declares "
+                     f"{list(spec.metadata)}.")
+  slots = jnp.asarray(slots, jnp.int32)
+  values = jnp.broadcast_to(jnp.asarray(values, jnp.int32), slots.shape)
+  safe, ok = _key_matches(state, slots, keys)
+  win = last_occurrence(safe, ok)
+  col = state.metadata[column].at[jnp.where(win, safe, spec.capacity)].set(values, mode="drop")
+  return state.replace(metadata={**state.metadata, column: col})

@@ -1,0 +1,50 @@
+"""Removals: ``remove`` (every cause), ``delete``, ``evict_stale``."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from funcreplay.core import counters as ctr
+from funcreplay.core import indexes, inplace, staleness
+from funcreplay.core.ops.queries import stale_mask
+from funcreplay.core.ops.rows import key_matches as _key_matches
+from funcreplay.core.ops.rows import last_occurrence, take
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import TableState
+
+
+def remove(spec: TableSpec, state: TableState, slots, mask, cause: str) -> TableState:
+  """Free ``slots[mask]`` (unique), counting them under ``cause``. Trees not refreshed."""
+  n = jnp.sum(mask).astype(jnp.uint32)
+  reuse = take(state.times_sampled, slots)
+  # The caller may overwrite times_sampled next (insert): order that after this read.
+  state = state.replace(times_sampled=inplace.tie(state.times_sampled, inplace.never(reuse)))
+  if spec.max_staleness is not None:
+    versions = take(state.version, slots)
+    hist, bounds = staleness.on_remove(spec, state.version_hist, state.version_bounds,
+                                       versions, mask)
+    state = state.replace(version_hist=hist, version_bounds=bounds)
+  c = dict(state.counters)
+  c[cause] = ctr.add(c[cause], n)
+  c["removed_reuse_sum"] = ctr.add_sum(c["removed_reuse_sum"], reuse, mask)
+  occupied = state.occupied.at[jnp.where(mask, slots, state.occupied.shape[0])].set(
+      False, mode="drop")
+  return state.replace(occupied=occupied, counters=c)
+
+
+def delete(spec: TableSpec, state: TableState, slots, keys) -> TableState:
+  """Remove the items at ``slots`` whose key still equals ``keys`` (int32/uint32 [K])."""
+  safe, ok = _key_matches(state, slots, keys)
+  ok = last_occurrence(safe, ok)
+  state = remove(spec, state, safe, ok, "deletes")
+  return indexes.refresh(spec, state, safe, ok)
+
+
+def evict_stale(spec: TableSpec, state: TableState, version) -> TableState:
+  """Free every item too stale for ``version``. O(C)."""
+  if spec.max_staleness is None:
+    raise ValueError("evict_stale: the table has no max_staleness; set TableSpec.max_staleness.")
+  stale = stale_mask(spec, state, version)
+  slots = jnp.arange(spec.capacity, dtype=jnp.int32)
+  state = remove(spec, state, slots, stale, "evicted_stale")
+  return indexes.rebuild(spec, state)

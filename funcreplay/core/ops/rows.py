@@ -1,0 +1,71 @@
+"""Row helpers shared by the operations: batch rows, key matches, gathers."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import TableState
+
+
+def batch_size(spec: TableSpec, items) -> int:
+  leaves = spec.signature.treedef.flatten_up_to(items)
+  sizes = set()
+  for name, s, leaf in zip(spec.signature.names, spec.signature.leaves, leaves, strict=True):
+    shape = tuple(jnp.shape(leaf))
+    if shape[1:] != tuple(s.shape) or len(shape) != len(s.shape) + 1:
+      raise ValueError(f"insert: item leaf {name}: expected shape [B, "
+                       f"{', '.join(map(str, s.shape))}], got {list(shape)}.")
+    if jnp.result_type(leaf) != s.dtype:
+      raise TypeError(f"insert: item leaf {name}: expected dtype {s.dtype}, got "
+                      f"{jnp.result_type(leaf)}.")
+    sizes.add(shape[0])
+  if len(sizes) != 1:
+    raise ValueError(f"insert: item leaves disagree on the batch size: {sorted(sizes)}.")
+  return sizes.pop()
+
+
+def rows(x, b, dtype, name):
+  x = jnp.asarray(x)
+  if x.ndim not in (0, 1) or (x.ndim == 1 and x.shape[0] != b):
+    raise ValueError(f"{name} must be a scalar or have shape [{b}], got {list(x.shape)}.")
+  return jnp.broadcast_to(x, (b,)).astype(dtype)
+
+
+def sanitize_priorities(p, counted):
+  """Negative / NaN / inf -> 0 (documented); returns (clean, n_invalid)."""
+  bad = ~jnp.isfinite(p) | (p < 0)
+  return jnp.where(bad, 0.0, p).astype(jnp.float32), jnp.sum(bad & counted).astype(jnp.uint32)
+
+
+def last_occurrence(slots, valid):
+  """bool[K]: True at the last valid occurrence of each slot (O(K log K))."""
+  k = slots.shape[0]
+  sort_key = jnp.where(valid, slots, jnp.iinfo(jnp.int32).max)
+  pos = jnp.arange(k, dtype=jnp.int32)
+  s_key, s_pos = lax.sort((sort_key, pos), num_keys=1, is_stable=True)
+  is_last_sorted = jnp.concatenate([s_key[1:] != s_key[:-1], jnp.ones((1,), bool)])
+  is_last = jnp.zeros((k,), bool).at[s_pos].set(is_last_sorted)
+  return is_last & valid
+
+
+def key_matches(state: TableState, slots, keys):
+  c = state.occupied.shape[0]
+  slots = jnp.asarray(slots, jnp.int32)
+  in_range = (slots >= 0) & (slots < c)
+  safe = jnp.where(in_range, slots, 0)
+  ok = in_range & state.occupied[safe] & (state.key[safe] == jnp.asarray(keys, jnp.uint32))
+  return safe, ok
+
+
+def take(col, slots):
+  """``col[slots]`` as a real gather even for one slot.
+
+  A one-row gather lowers to a dynamic slice, which XLA re-fuses into every
+  consumer; a consumer not ordered before a later in-place write of ``col``
+  then costs a copy of the whole column. Two indices keep it a gather.
+  """
+  if slots.shape[0] == 1:
+    return col[jnp.concatenate([slots, slots])][:1]
+  return col[slots]

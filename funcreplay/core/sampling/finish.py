@@ -1,0 +1,52 @@
+"""``finish``: the bookkeeping after a draw (rows, reuse counts, frees, counters)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from funcreplay.core import counters as ctr
+from funcreplay.core import indexes, ops
+from funcreplay.core import rate_limiters as rl
+from funcreplay.core.state import Sample, SampleInfo
+
+
+def finish(spec, state, picked, prob, num_eligible, ver, replace):
+  """Gather the rows of ``picked`` (-1: invalid), count the sample, free items
+  that reached ``max_times_sampled``. ``replace``: ``picked`` may repeat a slot."""
+  valid = picked >= 0
+  safe = jnp.maximum(picked, 0)
+  cap = spec.capacity
+
+  def rows(x):
+    v = valid.reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(v, ops.take(x, safe), jnp.zeros((), x.dtype))
+
+  data = jax.tree_util.tree_map(rows, state.data)
+  idx = jnp.where(valid, safe, cap)
+  if idx.shape[0] == 1:  # keep it a scatter, not a slice update (see ops.take)
+    idx = jnp.concatenate([idx, jnp.full((1,), cap, idx.dtype)])
+  times = state.times_sampled.at[idx].add(1, mode="drop")
+  state = state.replace(times_sampled=times)
+  n_valid = jnp.sum(valid, dtype=jnp.int32)
+  c = dict(state.counters)
+  c["samples"] = ctr.add(c["samples"], n_valid)
+  if ver is not None:
+    staleness = jnp.maximum(ver - ops.take(state.version, safe), 0)
+    c["sampled_staleness_sum"] = ctr.add_sum(c["sampled_staleness_sum"], staleness, valid)
+  state = state.replace(counters=c, limiter_diff=rl.update_diff(
+      spec.rate_limiter, state.limiter_diff, sampled=n_valid))
+  info = SampleInfo(
+      slot=jnp.where(valid, safe, -1),
+      key=jnp.where(valid, ops.take(state.key, safe), jnp.uint32(0)),
+      probability=jnp.where(valid, prob, 0.0),
+      priority=jnp.where(valid, ops.take(state.priority, safe), 0.0),
+      times_sampled=jnp.where(valid, ops.take(times, safe), 0),
+      version=jnp.where(valid, ops.take(state.version, safe), 0))
+  if spec.max_times_sampled > 0:
+    exhausted = valid & (ops.take(times, safe) >= spec.max_times_sampled)
+    if replace:  # a slot can appear twice: count it once (without, rows are distinct)
+      exhausted = ops.last_occurrence(safe, exhausted)
+    state = ops.remove(spec, state, safe, exhausted, "evicted_reuse")
+    state = indexes.refresh(spec, state, safe, exhausted)
+  return state, Sample(data=data, valid=valid, info=info, num_eligible=num_eligible)

@@ -1,0 +1,152 @@
+"""The shard context of a sharded table, and the helpers its operations share.
+
+``ShardContext`` holds what every sharded operation needs: the global and
+per-shard specs, the per-shard ``FunctionalTable`` (``local``), the mesh and
+its axis, the number of shards, and ``smap`` (``jax.shard_map`` over the mesh,
+putting inputs where it wants them on Explicit mesh axes). ``context`` builds
+it once per ``make_sharded_table``; the operations in ``local_ops``,
+``global_sample`` take it as their first argument.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from funcreplay.core import counters as ctr
+from funcreplay.core import selectors as sel
+from funcreplay.core.functional import FunctionalTable
+from funcreplay.core.spec import TableSpec
+from funcreplay.native.functional import make_table
+
+
+class ShardContext(NamedTuple):
+  """Everything a sharded operation closes over (built by ``context``)."""
+
+  spec: TableSpec          # the global spec (capacity C)
+  local: FunctionalTable   # the per-shard table (capacity C // S)
+  mesh: Mesh
+  axis: str                # the mesh axis the slots are split over
+  n: int                   # S, the number of shards
+  sharding: NamedSharding  # NamedSharding(mesh, P(axis))
+  smap: Callable           # smap(f, in_specs, out_specs): shard_map over the mesh
+
+  @property
+  def lspec(self) -> TableSpec:
+    return self.local.spec
+
+  @property
+  def sh(self):
+    return P(self.axis)
+
+  @property
+  def rep(self):
+    return P()
+
+  def shard_id(self):
+    """This shard's index along ``axis`` (inside ``smap``)."""
+    return lax.axis_index(self.axis)
+
+
+def context(spec: TableSpec, mesh: Mesh, axis: str) -> ShardContext:
+  """Check ``spec`` / ``mesh`` / ``axis`` and build the ``ShardContext`` of a sharded table."""
+  if not isinstance(spec, TableSpec):
+    raise TypeError(f"make_sharded_table expects a TableSpec, got {type(spec).__name__}.")
+  if axis not in mesh.shape:
+    raise ValueError(f"make_sharded_table: mesh has axes {tuple(mesh.shape)}, not {axis!r}; "
+                     "pass axis= one of them.")
+  n = int(mesh.shape[axis])
+  if spec.capacity % n:
+    raise ValueError(f"make_sharded_table: capacity {spec.capacity} is not a multiple of the "
+                     f"{n} shards of mesh axis {axis!r}; round it to a multiple of {n}.")
+  local = make_table(spec.replace(capacity=spec.capacity // n))
+  sharding = NamedSharding(mesh, P(axis))
+  explicit = jax.sharding.AxisType.Explicit in tuple(getattr(mesh, "axis_types", ()))
+
+  def smap(f, in_specs, out_specs):
+    # check_vma off: the per-shard ops mix replicated scalars (version, keys)
+    # into loops carrying per-shard values, which the checker rejects.
+    mapped = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                           check_vma=False)
+
+    if not explicit:
+      return mapped  # Auto axes: XLA moves mismatched inputs itself.
+
+    def call(*args):
+      # With Explicit mesh axes (the default of jax.make_mesh) shard_map
+      # refuses inputs laid out otherwise: put each where it is wanted.
+      args = [jax.tree_util.tree_map(lambda x, s=s: jax.reshard(x, NamedSharding(mesh, s)), a)
+              for a, s in zip(args, in_specs)]
+      return mapped(*args)
+
+    return call
+
+  return ShardContext(spec=spec, local=local, mesh=mesh, axis=axis, n=n, sharding=sharding,
+                      smap=smap)
+
+
+def squeeze(tree):
+  return jax.tree_util.tree_map(lambda x: x[0], tree)
+
+
+def expand(tree):
+  return jax.tree_util.tree_map(lambda x: x[None], tree)
+
+
+def per_shard(x, n, b, dtype, name):
+  """Broadcast a scalar / ``[S]`` / ``[S, B]`` argument to ``[S, B]``."""
+  x = jnp.asarray(x, dtype)
+  if x.ndim == 1:
+    if x.shape[0] != n:
+      raise ValueError(f"{name}: a 1-D argument is per shard and must have shape [{n}], got "
+                       f"{list(x.shape)}; pass a scalar, [{n}] or [{n}, {b}].")
+    x = x[:, None]
+  if x.ndim > 2 or (x.ndim == 2 and x.shape not in ((n, b), (n, 1))):
+    raise ValueError(f"{name} must be a scalar, [{n}] or [{n}, {b}] (shards, batch), got "
+                     f"{list(x.shape)}.")
+  return jnp.broadcast_to(x, (n, b))
+
+
+def check_leading(tree, n, what):
+  for leaf in jax.tree_util.tree_leaves(tree):
+    shape = jnp.shape(leaf)
+    if len(shape) < 1 or shape[0] != n:
+      raise ValueError(f"{what}: every leaf needs the shard axis first, [{n}, ...] "
+                       f"({n} shards), got a leaf of shape {list(shape)}.")
+
+
+def global_counter_sum(c):
+  """Exact two-word sum over shards of counters ``uint32[S, 2]`` -> ``uint32[2]``."""
+  total = ctr.add_sum(ctr.zero(), c[:, 1])
+  return total.at[0].add(jnp.sum(c[:, 0], dtype=jnp.uint32))
+
+
+def uses_priority(spec: TableSpec) -> bool:
+  heap = (sel.MinHeap, sel.MaxHeap)
+  return spec.prioritized or isinstance(spec.sampler, heap) or isinstance(spec.remover, heap)
+
+
+def slots_arg(x, n: int):
+  """int32 ``[S, K]`` local slots per shard, or a clear error."""
+  x = jnp.asarray(x, jnp.int32)
+  if x.ndim != 2 or x.shape[0] != n:
+    raise ValueError(f"slots must be [{n}, K] local slots per shard (e.g. batch.info.slot), "
+                     f"got {list(x.shape)}.")
+  return x
+
+
+def keys_arg(x):
+  """uint32 ``[S, K]`` item keys."""
+  return jnp.asarray(x, jnp.uint32)
+
+
+def global_diff(state):
+  """The global limiter difference of a sharded state (float32[])."""
+  # Sum of per-shard p*inserts - q*samples (linear), in float32 as the
+  # limiter predicates read it; no int32 overflow over many shards.
+  return jnp.sum(state.limiter_diff.astype(jnp.float32))
