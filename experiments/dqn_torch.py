@@ -5,7 +5,7 @@ Layout (Reverb style, in one process):
 * ``num_actors`` actor threads each run a gymnasium env with an epsilon-greedy
   copy of the online network (numpy forward pass; weights refreshed every
   ``actor_sync_period`` learner updates) and feed transitions to the table
-  (through ``Table.ingestor()`` when ``funcreplay.ingest`` is available, else
+  (through ``Table.ingestor()`` when ``funcreplay.host.ingest`` is available, else
   ``Table.insert``), tagged with the learner version of their weights;
 * the table is prioritized (``fr.Prioritized``) with a ``SampleToInsertRatio``
   rate limiter (a fixed update-to-data ratio whatever the thread speeds) and a
@@ -50,8 +50,8 @@ import funcreplay as fr  # noqa: E402
 import funcreplay.torch as frt  # noqa: E402
 
 try:
-  from funcreplay.host.ingest import IngestorClosedError
-except ImportError:  # funcreplay.ingest not in this checkout: actors insert directly
+  from funcreplay import IngestorClosedError
+except ImportError:  # no Ingestor in this checkout: actors insert directly
   class IngestorClosedError(RuntimeError):
     """Placeholder (never raised)."""
 
@@ -156,7 +156,7 @@ def _make_ingestor(table: fr.Table, cfg):
     return table.ingestor(batch_size=cfg.insert_batch, max_queue=4 * cfg.insert_batch,
                           put_timeout=0.1)
   except ImportError:
-    logging.warning("funcreplay.ingest is not available: actors call Table.insert directly")
+    logging.warning("funcreplay.Ingestor is not available: actors call Table.insert directly")
     return None
 
 

@@ -1,6 +1,6 @@
 """A plain-Python reference table implementing the contract (no JAX).
 
-It mirrors the documented semantics of ``funcreplay.ops`` / ``sampling``
+It mirrors the documented semantics of ``funcreplay.core.ops`` / ``sampling``
 one item at a time, with lists instead of trees. Random choices (uniform /
 prioritized sampling, the Uniform remover) are not reproduced: for those the
 tests feed the implementation's choice back with ``apply_sample`` after

@@ -1,7 +1,7 @@
 """Donated updates stay in place: no O(C) copy of any column, insert cost O(B).
 
 XLA silently copies a donated buffer when a read of it is not ordered before
-an in-place write (see ``funcreplay.inplace``); these tests look for such
+an in-place write (see ``funcreplay.core.inplace``); these tests look for such
 copies in the compiled HLO and check buffer pointers across donated calls.
 """
 

@@ -1,4 +1,4 @@
-"""Packed samples (``funcreplay.packing``, ``Table.sample_packed``, ``sample(packed=True)``).
+"""Packed samples (``funcreplay.core.packing``, ``Table.sample_packed``, ``sample(packed=True)``).
 
 The packed buffer must hold exactly what the unpacked ``Sample`` holds: the
 same items, info and counts from the same random stream, for every dtype a

@@ -1,4 +1,4 @@
-"""Sharded table (funcreplay.sharding) on 8 fake CPU devices and across 2 processes.
+"""Sharded table (funcreplay.distributed) on 8 fake CPU devices and across 2 processes.
 
 XLA reads ``--xla_force_host_platform_device_count`` once, when the backend
 starts, and other test files start it with one device. So when this file runs

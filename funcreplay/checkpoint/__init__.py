@@ -3,7 +3,7 @@
 Two layers:
 
 * pure: ``save(path, state, spec)`` / ``restore(path, spec=None)`` for a
-  ``TableState`` (also a sharded one from ``funcreplay.sharding``);
+  ``TableState`` (also a sharded one from ``funcreplay.distributed``);
 * host: ``save_table(table, path)`` / ``restore_table(path)`` (what
   ``Table.save`` / ``Table.restore`` call) add the table's PRNG key and
   policy version; ``PeriodicCheckpointer`` saves from a background thread.

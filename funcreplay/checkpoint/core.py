@@ -1,7 +1,7 @@
 """The pure layer: ``save(path, state, spec)`` / ``restore(path, spec=None)``.
 
 A state is either an ordinary ``TableState`` (slot columns ``[C]``) or a
-sharded one from ``funcreplay.sharding`` (every leaf ``[S, ...]``); the
+sharded one from ``funcreplay.distributed`` (every leaf ``[S, ...]``); the
 manifest records which (``num_shards``). Sharded states are gathered to the
 host before writing (``distributed.gather_state``; in one process every shard is
 addressable) and laid out again on restore with ``distributed.shard_state``.
@@ -240,7 +240,7 @@ def _check_placement(path, num_shards, mesh, axis, as_numpy) -> None:
                             "count is not supported.")
   elif mesh is not None:
     raise CheckpointError(f"{path}: an unsharded checkpoint; restore it without mesh=, or "
-                          "shard a table with funcreplay.sharding instead.")
+                          "shard a table with funcreplay.distributed instead.")
 
 
 def restore(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bool = False,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from typing import Any, Optional, Tuple
 
 import jax
@@ -193,9 +194,16 @@ def unpack(buffer: jnp.ndarray, lay: PackedLayout) -> Sample:
   return _as_sample([_field_from_bytes(buffer, f) for f in lay.fields], lay)
 
 
+def is_torch_tensor(x) -> bool:
+  """True if ``x`` is a ``torch.Tensor``, checked without importing torch (a tensor
+  exists only once torch is imported, so an unimported torch means no tensor)."""
+  torch = sys.modules.get("torch")
+  return torch is not None and isinstance(x, torch.Tensor)
+
+
 def _host_view(buffer):
   """``buffer``, or the numpy view of a torch tensor (``Table.sample_packed(out=tensor)``)."""
-  if type(buffer).__module__.split(".")[0] == "torch":
+  if is_torch_tensor(buffer):
     return buffer.numpy()
   return buffer
 

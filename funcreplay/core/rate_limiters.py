@@ -31,6 +31,13 @@ import jax.numpy as jnp
 
 DIFF_LIMIT = 2**30
 
+# Largest denominator ``q`` of the exact fraction ``p / q`` kept for
+# ``samples_per_insert`` (``RateLimiter.ratio``): the state tracks the
+# integer ``p * inserts - q * samples`` in int32, so ``p`` and ``q`` must stay
+# small next to ``DIFF_LIMIT``; a float spi such as 0.333 becomes the nearest
+# fraction with q <= 1000.
+MAX_RATIO_DENOMINATOR = 1000
+
 
 @dataclasses.dataclass(frozen=True)
 class RateLimiter:
@@ -55,7 +62,7 @@ class RateLimiter:
   @property
   def ratio(self) -> Tuple[int, int]:
     """``samples_per_insert`` as an exact fraction ``(p, q)``."""
-    f = fractions.Fraction(self.samples_per_insert).limit_denominator(1000)
+    f = fractions.Fraction(self.samples_per_insert).limit_denominator(MAX_RATIO_DENOMINATOR)
     return f.numerator, f.denominator
 
   # -- pure predicates ------------------------------------------------------

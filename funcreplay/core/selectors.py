@@ -2,7 +2,7 @@
 
 The vocabulary is Reverb's. A selector is a small frozen (hashable) dataclass
 holding static configuration only; the device-side machinery lives in
-``funcreplay.trees`` and ``funcreplay.sampling``.
+``funcreplay.core.trees`` and ``funcreplay.core.sampling``.
 
 =============  ==========================================  =======================
 selector       as a sampler                                as a remover

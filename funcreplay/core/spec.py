@@ -26,12 +26,12 @@ class TableSpec:
     capacity: number of slots ``C`` (1 <= C < 2**30).
     signature: one item, as a ``Signature`` (built from a pytree of
       ``jax.ShapeDtypeStruct`` or from an example item).
-    sampler: a selector from ``funcreplay.selectors`` (default ``Uniform()``).
+    sampler: a selector from ``funcreplay.core.selectors`` (default ``Uniform()``).
     remover: which item makes room when the table is full (default ``Fifo()``).
     max_times_sampled: an item is removed after this many samples (0: never).
     max_staleness: items with ``current_version - item_version >
       max_staleness`` are not sampled (None: no staleness limit).
-    rate_limiter: a ``funcreplay.rate_limiters.RateLimiter`` (default
+    rate_limiter: a ``funcreplay.core.rate_limiters.RateLimiter`` (default
       ``MinSize(1)``); pure predicates ``can_insert``/``can_sample`` use it and
       the host ``Table`` blocks on it.
     metadata: names of user int32 columns per slot (e.g. ``("task", "status")``).

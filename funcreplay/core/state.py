@@ -51,7 +51,7 @@ class TableState:
     version_hist: int32[V] histogram of the newest versions, and
     version_bounds: int32[3] ``[newest version, older items, their lowest
       version]``: the index that counts fresh items without an O(C) pass
-      (``funcreplay.staleness``; shape [0] without ``max_staleness``).
+      (``funcreplay.core.staleness``; shape [0] without ``max_staleness``).
     ledger: uint32[L] the table's scalars and counters in one array (see
       ``LEDGER_FIELDS``), read through the properties ``write_pos``,
       ``next_key``, ``max_priority``, ``limiter_diff`` and ``counters`` and

@@ -100,13 +100,13 @@ def delete(ctx, state, slots, keys):
   """Per shard: ``slots``/``keys`` are ``[S, K]`` local slots (e.g. ``info.slot``)."""
   local, sh, smap = ctx.local, ctx.sh, ctx.smap
   return smap(lambda st, s, k: _expand(local.delete(_squeeze(st), s[0], k[0])),
-              (sh, sh, sh), sh)(state, slots_arg(slots, n), keys_arg(keys))
+              (sh, sh, sh), sh)(state, slots_arg(slots, ctx.n), keys_arg(keys))
 
 
 def update_priorities(ctx, state, slots, keys, priorities):
   """Per shard: ``[S, K]`` local slots, keys and priorities (from ``info``)."""
   local, sh, smap = ctx.local, ctx.sh, ctx.smap
-  slots = slots_arg(slots, n)
+  slots = slots_arg(slots, ctx.n)
   prios = jnp.broadcast_to(jnp.asarray(priorities, jnp.float32), slots.shape)
   return smap(lambda st, s, k, p: _expand(local.update_priorities(_squeeze(st), s[0], k[0],
                                                                    p[0])),
@@ -116,7 +116,7 @@ def update_priorities(ctx, state, slots, keys, priorities):
 def set_metadata(ctx, state, slots, keys, column: str, values):
   """Per shard: ``[S, K]`` local slots, keys and int32 values of ``column``."""
   local, sh, smap = ctx.local, ctx.sh, ctx.smap
-  slots = slots_arg(slots, n)
+  slots = slots_arg(slots, ctx.n)
   vals = jnp.broadcast_to(jnp.asarray(values, jnp.int32), slots.shape)
   return smap(lambda st, s, k, v: _expand(local.set_metadata(_squeeze(st), s[0], k[0],
                                                               column, v[0])),

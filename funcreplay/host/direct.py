@@ -44,6 +44,7 @@ from typing import Optional, Tuple
 import jax
 import numpy as np
 
+from funcreplay import native as native_lib
 from funcreplay.core import packing
 from funcreplay.core import selectors as sel
 from funcreplay.core.spec import TableSpec
@@ -64,7 +65,6 @@ _ERRORS = {1: "the Python and C++ sides disagree on the call layout (rebuild the
 
 def unsupported(spec: TableSpec, native: bool) -> Optional[str]:
   """None if a ``Table`` of ``spec`` can sample directly (``where=None``), else why not."""
-  from funcreplay import native as native_lib  # noqa: PLC0415 (package init imports us)
   if not native:
     return "the table does not use the native kernels"
   if not native_lib.supports_sample(spec, stratified=False):

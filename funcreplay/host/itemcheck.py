@@ -90,7 +90,7 @@ def _compile_fast_check(signature: sig_lib.Signature) -> Callable[[Any], Optiona
   src = "\n".join(["def fast(x):", "  try:"] + ["    " + ln for ln in body]
                   + ["  except Exception:", "    return None"])
   namespace = dict(consts)
-  exec(compile(src, "<funcreplay.ingest item check>", "exec"), namespace)  # noqa: S102
+  exec(compile(src, "<funcreplay.host.ingest item check>", "exec"), namespace)  # noqa: S102
   return namespace["fast"]
 
 

@@ -292,6 +292,6 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
     return checkpoint_io("restore")(path, **kwargs)
 
   def ingestor(self, **kwargs):
-    """A background-thread ``funcreplay.ingest.Ingestor`` feeding this table (context manager)."""
+    """A background-thread ``funcreplay.Ingestor`` feeding this table (context manager)."""
     self._check_open("ingestor")
     return Ingestor(self, **kwargs)

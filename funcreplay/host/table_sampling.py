@@ -18,9 +18,10 @@ import numpy as np
 from funcreplay import native as native_lib
 from funcreplay.core import packing
 from funcreplay.core import selectors as sel
+from funcreplay.core.packing import is_torch_tensor
 from funcreplay.core.state import Sample
 from funcreplay.host import direct as direct_lib
-from funcreplay.host.validation import Where, is_torch_tensor
+from funcreplay.host.validation import Where
 from funcreplay.host.validation import check_int as _check_int
 from funcreplay.host.validation import check_timeout as _check_timeout
 from funcreplay.host.validation import describe_limiter as _describe_limiter

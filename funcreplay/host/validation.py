@@ -8,7 +8,6 @@ leaves the table exactly as it was.
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
@@ -21,13 +20,6 @@ from funcreplay.core.spec import TableSpec
 I32 = np.iinfo(np.int32)
 
 Where = Union[None, np.ndarray, jax.Array, Mapping[str, Union[int, Sequence[int]]]]
-
-
-def is_torch_tensor(x) -> bool:
-  """True if ``x`` is a ``torch.Tensor``, checked without importing torch (a tensor
-  exists only once torch is imported)."""
-  torch = sys.modules.get("torch")
-  return torch is not None and isinstance(x, torch.Tensor)
 
 
 def bucket(n: int, cap: int) -> int:

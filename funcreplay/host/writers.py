@@ -142,7 +142,7 @@ class SequenceWriter:
     if spec is not None and spec.signature != item_sig:
       raise ValueError(f"SequenceWriter: the table stores {spec.signature!r} but windows of "
                        f"{length} steps{' with a mask' if pad else ''} are {item_sig!r}; build "
-                       "the TableSpec with funcreplay.writers.sequence_signature(step, length, "
+                       "the TableSpec with funcreplay.sequence_signature(step, length, "
                        f"pad={pad}).")
     self._sink = sink
     self._columns = None if spec is None else tuple(spec.metadata)

@@ -1,6 +1,6 @@
 """``sample`` for a ``Uniform`` or ``Prioritized`` sampler in one CPU kernel.
 
-Same contract as ``funcreplay.sampling.sample``; the kernel is in
+Same contract as ``funcreplay.core.sampling.sample``; the kernel is in
 ``kernels.cc`` (``SampleImpl``). The eligible count (O(1) / O(V) from
 the staleness version index, O(C) with a ``where`` mask) and, for the
 prioritized sampler, the eligible weight are computed in JAX first, with the

@@ -42,7 +42,7 @@ def count(spec: TableSpec, state: TableState, where=None, version=None, size=Non
   """Number of eligible items (int32[]).
 
   O(1) without masks; with only the staleness mask, O(1) or O(V) from the
-  version index in the steady state (see ``funcreplay.staleness``); O(C)
+  version index in the steady state (see ``funcreplay.core.staleness``); O(C)
   with ``where`` or when the index cannot answer. ``size``: ``state.size``
   if the caller already read it (``sample`` reads it once, see ``inplace``).
   """

@@ -64,7 +64,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
       program costs ~70 us (its rolled threefry loop moves the program off
       the caller's thread).
     packed: return the batch as a ``PackedSample`` (one uint8 buffer,
-      ``funcreplay.packing``) instead of a ``Sample``; the native kernel
+      ``funcreplay.core.packing``) instead of a ``Sample``; the native kernel
       writes it directly. Needs whole-byte item dtypes.
 
   Returns:
