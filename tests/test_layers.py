@@ -6,7 +6,8 @@ Layers, lowest first (README "Layout"): ``core`` (its base modules, then
 (``funcreplay/__init__.py``, ``funcreplay.torch``). A module may import its
 own layer or a lower one, never a higher one; every module belongs to a
 layer; there is no import cycle between modules or between layers; and no
-module imports another module's ``_private`` name. Imports inside functions
+module imports (or reaches through a module into) another module's
+``_private`` name. Imports inside functions
 count: a lazy import is still an arrow.
 """
 
@@ -62,6 +63,24 @@ def modules(root: str = ROOT):
   return out
 
 
+def private_uses(path: str, known):
+  """``[(module, attribute, line)]``: ``mod._name`` on a funcreplay module imported here."""
+  tree = ast.parse(open(path).read(), path)
+  aliases = {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("funcreplay"):
+      for a in node.names:
+        if f"{node.module}.{a.name}" in known:
+          aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    elif isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name.startswith("funcreplay") and a.asname:
+          aliases[a.asname] = a.name
+  return [(aliases[n.value.id], n.attr, n.lineno) for n in ast.walk(tree)
+          if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+          and n.value.id in aliases and n.attr.startswith("_") and not n.attr.startswith("__")]
+
+
 def imports(name: str, path: str, known):
   """``[(imported module, imported names, line)]`` of funcreplay imports in one file."""
   tree = ast.parse(open(path).read(), path)
@@ -99,6 +118,8 @@ def violations(root: str = ROOT):
   mods, g = graph(root)
   bad = []
   for m in sorted(mods):
+    for target, attr, line in private_uses(mods[m], mods):
+      bad.append(f"{m}:{line} uses the private name {target}.{attr}")
     lm = layer_of(m)
     if lm is None:
       bad.append(f"{m}: belongs to no layer")
@@ -170,11 +191,14 @@ def test_the_check_can_fail(tmp_path):
     (pkg / d / "__init__.py").write_text("")
   (pkg / "__init__.py").write_text("")
   (pkg / "core" / "a.py").write_text("from funcreplay.host import b\n")
-  (pkg / "host" / "b.py").write_text("from funcreplay.core.a import _hidden\n")
+  (pkg / "host" / "b.py").write_text("from funcreplay.core.a import _hidden\n"
+                                     "from funcreplay.core import a\n"
+                                     "a._reach_in()\n")
   (pkg / "flat.py").write_text("")
   bad = "\n".join(violations(str(pkg)))
   assert "funcreplay.core.a:1 imports funcreplay.host.b" in bad
-  assert "private name funcreplay.core.a._hidden" in bad
+  assert "imports the private name funcreplay.core.a._hidden" in bad
+  assert "funcreplay.host.b:3 uses the private name funcreplay.core.a._reach_in" in bad
   assert "import cycle: funcreplay.core.a -> funcreplay.host.b" in bad
   assert "layer cycle" in bad
   assert "funcreplay.flat: belongs to no layer" in bad

@@ -43,7 +43,7 @@ class TorchInfo:
   version: torch.Tensor
 
   @classmethod
-  def _lazy(cls, make: Callable[[str], torch.Tensor]) -> "TorchInfo":
+  def lazy(cls, make: Callable[[str], torch.Tensor]) -> "TorchInfo":
     """An info whose fields are built by ``make(name)`` when first read.
 
     A packed batch's info columns are views of its buffer, ~1.2 us of torch

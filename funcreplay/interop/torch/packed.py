@@ -6,7 +6,7 @@ rest of handing a batch over; a ``Sample`` has about a dozen arrays. A
 host-to-device copy) and every field becomes a view at its offset
 (``as_strided`` on a view of the buffer as that field's dtype). Each view
 costs ~1.2 us of torch dispatch, so the six info columns are made when first
-read (``TorchInfo._lazy``): a learner without priority write-back reads none.
+read (``TorchInfo.lazy``): a learner without priority write-back reads none.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def _views(raw: torch.Tensor, num_eligible: Optional[int], lay: PackedLayout, pl
                      for d, shape, strides, start, n in eager))
   out = []
   for i, arrays in enumerate(per_part):
-    info = TorchInfo._lazy(functools.partial(_info_view, typed, plan.info, i))  # noqa: SLF001
+    info = TorchInfo.lazy(functools.partial(_info_view, typed, plan.info, i))
     out.append(TorchBatch(jax.tree_util.tree_unflatten(lay.treedef, arrays[:nd]), arrays[nd],
                           info, None, num_eligible))
   return out
