@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import funcreplay as fr
 from funcreplay.core import counters as ctr
 from funcreplay.checkpoint import record
-from funcreplay.core import ledger
+from funcreplay.core import ledger as ledger_lib
 from tests.helpers import ITEM, items_from_ids
 
 U32 = st.integers(0, 2**32 - 1)
@@ -26,7 +26,7 @@ I32 = st.integers(-2**31, 2**31 - 1)
 
 def _fields(write_pos, next_key, max_priority, limiter_diff, counter_words):
   counters = {name: np.array(counter_words[2 * i:2 * i + 2], np.uint32)
-              for i, name in enumerate(ledger.COUNTERS)}
+              for i, name in enumerate(ledger_lib.COUNTERS)}
   return dict(write_pos=np.int32(write_pos), next_key=np.uint32(next_key),
               max_priority=np.float32(max_priority), limiter_diff=np.int32(limiter_diff),
               counters=counters)
@@ -35,40 +35,40 @@ def _fields(write_pos, next_key, max_priority, limiter_diff, counter_words):
 @settings(max_examples=40, deadline=None)
 @given(write_pos=I32, next_key=U32, limiter_diff=I32,
        max_priority=st.floats(width=32, allow_nan=True, allow_infinity=True),
-       counter_words=st.lists(U32, min_size=2 * len(ledger.COUNTERS),
-                              max_size=2 * len(ledger.COUNTERS)),
+       counter_words=st.lists(U32, min_size=2 * len(ledger_lib.COUNTERS),
+                              max_size=2 * len(ledger_lib.COUNTERS)),
        on_device=st.booleans())
 def test_every_value_round_trips_bit_exactly(write_pos, next_key, limiter_diff, max_priority,
                                              counter_words, on_device):
   fields = _fields(write_pos, next_key, max_priority, limiter_diff, counter_words)
   if on_device:
     fields = jax.tree_util.tree_map(jnp.asarray, fields)
-  ledger = ledger.pack_ledger(**fields)
-  assert ledger.shape == (ledger.LEDGER_SIZE,) and ledger.dtype == np.uint32
+  ledger = ledger_lib.pack_ledger(**fields)
+  assert ledger.shape == (ledger_lib.LEDGER_SIZE,) and ledger.dtype == np.uint32
   assert isinstance(ledger, np.ndarray) != on_device  # numpy in, numpy out
   spec = fr.TableSpec(4, ITEM)
   s = fr.make_table(spec).init().replace(ledger=jnp.asarray(ledger))
-  back = ledger.ledger_fields(s)
+  back = ledger_lib.ledger_fields(s)
   for name in ("write_pos", "next_key", "max_priority", "limiter_diff"):
     got, want = np.asarray(back[name]), np.asarray(fields[name])
     assert got.dtype == want.dtype, name
     assert got.tobytes() == want.tobytes(), name  # NaN payloads and -0.0 included
-  for name in ledger.COUNTERS:
+  for name in ledger_lib.COUNTERS:
     np.testing.assert_array_equal(back["counters"][name], fields["counters"][name], name)
 
 
 def test_replace_changes_only_what_it_is_given():
   t = fr.make_table(fr.TableSpec(8, ITEM))
   s = t.insert(t.init(), items_from_ids(np.arange(5)), version=0)
-  before = ledger.ledger_fields(jax.device_get(s))
+  before = ledger_lib.ledger_fields(jax.device_get(s))
   c = dict(s.counters)
   c["deletes"] = ctr.from_int(2**32 + 7)
   s2 = s.replace(counters=c, write_pos=jnp.int32(3))
   assert int(s2.write_pos) == 3 and ctr.to_int(s2.counters["deletes"]) == 2**32 + 7
-  after = ledger.ledger_fields(jax.device_get(s2))
+  after = ledger_lib.ledger_fields(jax.device_get(s2))
   for name in ("next_key", "max_priority", "limiter_diff"):
     assert np.asarray(after[name]).tobytes() == np.asarray(before[name]).tobytes(), name
-  for name in ledger.COUNTERS:
+  for name in ledger_lib.COUNTERS:
     if name != "deletes":
       np.testing.assert_array_equal(after["counters"][name], before["counters"][name], name)
   # The same replace inside jit.
@@ -96,7 +96,7 @@ def test_the_ledger_is_one_leaf_and_vmaps_over_tables():
   assert ".ledger" in names
   assert not any("counters" in n or "write_pos" in n for n in names)
   states = jax.vmap(lambda _: t.init())(jnp.arange(4))
-  assert states.ledger.shape == (4, ledger.LEDGER_SIZE)
+  assert states.ledger.shape == (4, ledger_lib.LEDGER_SIZE)
   n = jnp.array([1, 2, 3, 4])
 
   def ins(s, k):
@@ -116,7 +116,7 @@ def test_record_keeps_the_checkpoint_leaf_names():
   rec = record.to_record(s)
   names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(rec)]
   assert names[-13:] == [".write_pos", ".next_key", ".max_priority", ".limiter_diff"] + [
-      f".counters['{k}']" for k in sorted(ledger.COUNTERS)]
+      f".counters['{k}']" for k in sorted(ledger_lib.COUNTERS)]
   assert ".metadata['task']" in names and ".occupied" in names
   back = record.from_record(rec)
   assert isinstance(back.ledger, np.ndarray)  # host states stay on the host

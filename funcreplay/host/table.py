@@ -16,6 +16,13 @@ that in-process, without a server:
 * every input is validated on the host *before* the state is touched, so a
   bad call raises ``ValueError`` / ``TypeError`` and leaves the table exactly
   as it was.
+
+This module holds construction, ``insert`` and the checkpoint / ingestion
+entry points; the rest of ``Table`` comes from its mixins: ``guard`` (the
+lock, waits, ``close``), ``table_sampling`` (``sample``, ``sample_packed``,
+the in-place sampler strategy of ``direct``) and ``table_updates`` (keyed
+updates, removals, queries). ``programs`` holds the jitted programs shared
+per spec, ``validation`` the input checks shared with the ``Ingestor``.
 """
 
 from __future__ import annotations
