@@ -190,7 +190,7 @@ def test_dqn_learns_beyond_random_policy(tmp_path):
   # A uniformly random policy averages ~22 on CartPole; a short fixed-seed run must clearly beat it.
   c = dqn_cfg.get_config("ci_learn")
   s = dqn_anakin.run(c, str(tmp_path), verbose=False)
-  assert s["best_mean_return"] >= 75, s  # seed 0 reaches ~170
+  assert s["best_mean_return"] >= 150, s  # seed 0 reaches ~239
 
 
 # --- async_rollouts ---------------------------------------------------------------------------
