@@ -18,13 +18,17 @@ staleness, no reuse cap); ``--profile_replay_share`` times chunks of both
 variants, interleaved, and reports the share of step time spent in the replay
 operations (written to ``replay_share.json``).
 
-Default config (``configs/dqn_anakin.py``): 8 envs, 2 updates of batch 128
-per vector step, 64x64 MLP, Adam 5e-4, Polyak target (tau 0.005), PER alpha
-0.6 with beta annealed 0.4 -> 1, ``max_staleness`` 20k learner versions,
-``max_times_sampled`` 256 (the config's docstring says why these values); it
-stops once the mean return of the last 20 episodes reaches 475 (at most 150k
-env steps). DQN on CartPole is not monotone: run longer and the return can
-collapse and recover, which is why the run stops at the threshold.
+Default config (``configs/dqn_anakin.py``): 8 envs, 2 updates of batch 64
+per vector step, 128x128 MLP, 3-step double-DQN targets, Huber loss, Adam
+2.3e-3 decayed linearly to 1e-4 with gradient clipping, hard target copies
+every 128 updates, epsilon 1 -> 0.01 over 8k env steps, PER alpha 0.6 with
+beta annealed 0.4 -> 1, ``max_staleness`` 20k learner versions,
+``max_times_sampled`` 256 (the config's docstring says why these values). The
+goal is ``target_return`` = 475, the mean return of the last 20 (training,
+epsilon-greedy) episodes, checked after every chunk; the run stops at the
+first chunk that reaches it (at most 150k env steps) and ``summary.json``
+says whether and when it did. DQN on CartPole is not monotone: run longer
+(``--config.stop_at_return=False``) and the return can collapse and recover.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ class QNetwork(nn.Module):
 def _item_example():
   return {"obs": jnp.zeros((env.OBS_DIM,), jnp.float32), "action": jnp.zeros((), jnp.int32),
           "reward": jnp.zeros((), jnp.float32), "next_obs": jnp.zeros((env.OBS_DIM,), jnp.float32),
-          "terminated": jnp.zeros((), jnp.float32)}
+          "discount": jnp.zeros((), jnp.float32)}
 
 
 class Replay(NamedTuple):
@@ -159,6 +163,38 @@ class Carry(NamedTuple):
   learner_steps: jax.Array  # int32[] = the learner version
   returns: jax.Array        # float32[W] ring of the last W episode returns
   episodes: jax.Array       # int32[] episodes finished
+  window: Any               # the last n one-step transitions per env, leaves [E, n, ...]
+
+
+def n_step_transition(window, gamma: float):
+  """The n-step transition starting at the oldest step of each env's window.
+
+  Args:
+    window: dict of one-step transitions, leaves ``[E, n, ...]`` oldest first:
+      ``obs`` float32[E, n, 4], ``action`` int32[E, n], ``reward`` float32[E, n],
+      ``next_obs`` float32[E, n, 4], ``terminated`` / ``done`` bool[E, n].
+    gamma: the per-step discount.
+
+  Returns:
+    dict of float32/int32 leaves ``[E, ...]``: ``obs``, ``action``, ``reward`` (the
+    discounted sum of up to n rewards, cut at the first episode end), ``next_obs`` (the
+    observation after the last step used) and ``discount`` (gamma**m for the m steps
+    used, 0 if the episode terminated within them; a truncated episode bootstraps).
+  """
+  n = window["reward"].shape[1]
+  done = window["done"].astype(jnp.float32)
+  # used[:, k] = 1 while no episode ended before step k of the window.
+  used = jnp.concatenate([jnp.ones_like(done[:, :1]), jnp.cumprod(1.0 - done, axis=1)[:, :-1]],
+                         axis=1)
+  powers = gamma ** jnp.arange(n, dtype=jnp.float32)
+  last = jnp.sum(used, axis=1).astype(jnp.int32) - 1   # index of the last step used
+  pick = lambda x: jnp.take_along_axis(  # noqa: E731
+      x, last.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+  term = pick(window["terminated"]).astype(jnp.float32)
+  return {"obs": window["obs"][:, 0], "action": window["action"][:, 0],
+          "reward": jnp.sum(window["reward"] * used * powers, axis=1),
+          "next_obs": pick(window["next_obs"]),
+          "discount": gamma ** (last + 1).astype(jnp.float32) * (1.0 - term)}
 
 
 def _static_key(config) -> str:
@@ -187,9 +223,14 @@ def build(static_key: str):
     rng, k_env, k_net = jax.random.split(rng, 3)
     env_state, obs = jax.vmap(env.reset)(jax.random.split(k_env, e))
     params = net.init(k_net, obs)
+    ns = c["n_step"]
+    window = {"obs": jnp.zeros((e, ns, env.OBS_DIM), jnp.float32),
+              "action": jnp.zeros((e, ns), jnp.int32), "reward": jnp.zeros((e, ns), jnp.float32),
+              "next_obs": jnp.zeros((e, ns, env.OBS_DIM), jnp.float32),
+              "terminated": jnp.zeros((e, ns), bool), "done": jnp.zeros((e, ns), bool)}
     return Carry(env_state, obs, params, params, opt.init(params), replay.init(), rng,
                  jnp.int32(0), jnp.int32(0), jnp.zeros((c["return_window"],), jnp.float32),
-                 jnp.int32(0))
+                 jnp.int32(0), window)
 
   def td_error(params, target_params, data):
     """Double-DQN TD errors float32[N] and Q(s, a) float32[N] of a batch of transitions."""
@@ -198,7 +239,7 @@ def build(static_key: str):
     a_star = jnp.argmax(net.apply(params, data["next_obs"]), axis=1)  # double DQN
     q_next = jnp.take_along_axis(net.apply(target_params, data["next_obs"]), a_star[:, None],
                                  axis=1)[:, 0]
-    target = data["reward"] + c["gamma"] * (1.0 - data["terminated"]) * q_next
+    target = data["reward"] + data["discount"] * q_next
     return q_a - jax.lax.stop_gradient(target), q_a
 
   def loss_fn(params, target_params, data, weights):
@@ -231,11 +272,22 @@ def build(static_key: str):
     random_a = jax.random.randint(k_act, (e,), 0, env.NUM_ACTIONS, jnp.int32)
     action = jnp.where(jax.random.uniform(k_eps, (e,)) < eps, random_a, greedy)
     out = jax.vmap(env.step)(carry.env_state, action, jax.random.split(k_env, e))
-    items = {"obs": carry.obs, "action": action, "reward": out.reward,
-             "next_obs": out.final_obs, "terminated": out.terminated.astype(jnp.float32)}
-    td_new = (td_error(carry.params, carry.target_params, items)[0]
-              if rc.initial_priority == "td" else None)
-    rs = replay.insert(carry.replay, items, carry.learner_steps, td_new)
+    # Slide each env's window of the last n one-step transitions; the n-step transition that
+    # starts at its oldest step is complete now (steps after an episode end are cut off).
+    new = {"obs": carry.obs, "action": action, "reward": out.reward, "next_obs": out.final_obs,
+           "terminated": out.terminated, "done": out.done}
+    window = jax.tree_util.tree_map(lambda w, x: jnp.concatenate([w[:, 1:], x[:, None]], axis=1),
+                                    carry.window, new)
+    items = n_step_transition(window, c["gamma"])
+
+    def insert(rs):
+      td_new = (td_error(carry.params, carry.target_params, items)[0]
+                if rc.initial_priority == "td" else None)
+      return replay.insert(rs, items, carry.learner_steps, td_new)
+
+    # The first n - 1 vector steps have no complete window yet.
+    rs = jax.lax.cond(carry.env_steps >= (c["n_step"] - 1) * e, insert, lambda rs: rs,
+                      carry.replay)
     # Finished episodes go into the ring of the last W returns, in env order.
     w = c["return_window"]
     rank = jnp.cumsum(out.done.astype(jnp.int32)) - 1
@@ -244,7 +296,7 @@ def build(static_key: str):
     n_done = jnp.sum(out.done, dtype=jnp.int32)
     carry = carry._replace(env_state=out.state, obs=out.obs, replay=rs, rng=rng,
                            env_steps=carry.env_steps + e, returns=returns,
-                           episodes=carry.episodes + n_done)
+                           episodes=carry.episodes + n_done, window=window)
     # PER beta: linear from beta_start to beta_end over beta_decay_steps env steps.
     beta_frac = jnp.minimum(carry.env_steps / max(rc.beta_decay_steps, 1), 1.0)
     beta = rc.beta_start + beta_frac * (rc.beta_end - rc.beta_start)
@@ -345,7 +397,7 @@ def run(config, workdir: str, verbose: bool = True) -> dict:
       log(f"[{m['env_steps']:>7d} steps] {m['sps']:>8.0f} steps/s  return(last "
           f"{config.return_window}) {ret if ret is not None else float('nan'):6.1f}  "
           f"eps {m['epsilon']:.2f}  loss {m['loss']:.3f}  {rep}")
-      if config.stop_at_return > 0 and ret is not None and ret >= config.stop_at_return:
+      if config.stop_at_return and reached_at is not None:
         break
   wall, cpu = timer.elapsed()
   env_steps = int(steps_hist[-1])
@@ -356,7 +408,7 @@ def run(config, workdir: str, verbose: bool = True) -> dict:
   summary = {
       "env_steps": env_steps, "final_mean_return": ret_hist[-1],
       "best_mean_return": None if best == -np.inf else float(best),
-      "target_return": config.target_return,
+      "target_return": config.target_return, "reached_target": reached_at is not None,
       "reached_target_at_env_steps": None if reached_at is None else reached_at[0],
       "reached_target_at_wall_s": None if reached_at is None else round(reached_at[1], 2),
       "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "compile_s": round(compile_s, 2),
@@ -364,6 +416,9 @@ def run(config, workdir: str, verbose: bool = True) -> dict:
       "replay_noop": bool(config.replay_noop), "seed": int(config.seed), "plot": plot,
   }
   common.write_json(os.path.join(workdir, "summary.json"), summary)
+  log(f"dqn_anakin: seed {config.seed} " + (
+      f"reached mean return {config.target_return:g} at {reached_at[0]} env steps"
+      if reached_at else f"did not reach {config.target_return:g} in {env_steps} env steps"))
   log("dqn_anakin summary: " + json.dumps(summary))
   return summary
 
