@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import async_rollouts as async_cfg  # noqa: E402
 from configs import dqn_anakin as dqn_cfg  # noqa: E402
-from experiments import async_rollouts, common, dqn_anakin  # noqa: E402
+from experiments import async_rollouts, common, dqn_anakin, dqn_parts  # noqa: E402
 from experiments import jax_cartpole as jc  # noqa: E402
 
 _TIMING_KEYS = ("wall", "sps", "wall_s", "cpu_s", "compile_s", "train_wall_s", "env_steps_per_s",
@@ -168,7 +168,7 @@ def test_dqn_n_step_transition_cuts_at_episode_ends():
             "reward": np.ones((3, 3), np.float32), "next_obs": -obs,
             "terminated": np.array([[0, 1, 0], [0, 0, 0], [0, 0, 0]], bool),
             "done": np.array([[0, 1, 0], [0, 0, 1], [0, 0, 0]], bool)}
-  t = jax.device_get(dqn_anakin.n_step_transition(window, 0.5))
+  t = jax.device_get(dqn_parts.n_step_transition(window, 0.5))
   np.testing.assert_array_equal(t["obs"], obs[:, 0])
   np.testing.assert_array_equal(t["action"], [1, 0, 1])
   np.testing.assert_allclose(t["reward"], [1.5, 1.75, 1.75])
