@@ -783,6 +783,29 @@ class Table:
     from funcreplay import checkpoint  # noqa: PLC0415
     return checkpoint.restore_table(path, **kwargs)
 
+  def load(self, path, *, verify: bool = True) -> None:
+    """Restore a checkpoint *into* this table (same spec): ingestors, samplers and
+    threads holding this ``Table`` carry on with the loaded items, counters, PRNG key
+    and version.
+
+    The checkpoint is read and verified without the lock
+    (``funcreplay.checkpoint.host.read_into``: a spec mismatch or a damaged file
+    raises ``CheckpointError`` and leaves the table as it was); the state is then
+    swapped in under the lock and every waiter is woken to re-check the rate
+    limiter against the loaded state. A checkpoint of the pure layer (no host
+    extras) keeps this table's PRNG key and version.
+    """
+    self._check_open("load")
+    from funcreplay.checkpoint import host  # noqa: PLC0415
+    state, version, rng = host.read_into(self, path, verify=verify)
+    state = jax.tree_util.tree_map(jnp.asarray, state)
+    with self._cond:
+      self._check_open("load")
+      self._state = self._ops.copy(state)
+      if rng is not None:
+        self._rng, self._version = jnp.asarray(rng), version
+      self._cond.notify_all()
+
   def ingestor(self, **kwargs):
     """A background-thread ``funcreplay.ingest.Ingestor`` feeding this table (context manager)."""
     self._check_open("ingestor")

@@ -83,3 +83,30 @@ def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_grow
   if r.host is None:
     return Table.from_state(r.spec, r.state, seed=seed)
   return Table.from_state(r.spec, r.state, version=r.host["version"], rng=r.host["rng"])
+
+
+def read_into(table, path, *, verify: bool = True):
+  """``(state, version, rng)`` of a checkpoint, checked against ``table.spec``, for ``Table.load``.
+
+  Args:
+    table: the live ``funcreplay.Table`` to restore into (only its spec is read).
+    path: checkpoint directory or directory of ``ckpt-<step>`` checkpoints.
+    verify: check CRC-32 checksums.
+
+  Returns:
+    ``state`` (a device ``TableState`` of ``table.spec``), ``version`` (int;
+    ``table.version`` for a pure-layer checkpoint) and ``rng`` (uint32[2], or
+    None for a pure-layer checkpoint: the table keeps its own key).
+
+  Raises:
+    CheckpointError if the checkpoint's spec differs from the table's (every
+    difference listed; capacity growth is not applied to a live table), if it
+    is sharded, or if it is missing or corrupted. Reads nothing into the table.
+  """
+  r = core.restore(path, table.spec, as_numpy=True, verify=verify)
+  if r.num_shards is not None:
+    raise CheckpointError(f"{r.path}: a sharded checkpoint ({r.num_shards} shards) cannot be "
+                          "loaded into a host Table.")
+  if r.host is None:
+    return r.state, None, None
+  return r.state, r.host["version"], r.host["rng"]
