@@ -306,7 +306,7 @@ class Table:
   # -- construction from a state (restore) ----------------------------------------
   @classmethod
   def from_state(cls, spec: TableSpec, state: TableState, *, seed: int = 0, version: int = 0,
-                 rng=None) -> "Table":
+                 rng=None, check: bool = True) -> "Table":
     """A ``Table`` owning a *copy* of ``state`` (used by checkpoint restore).
 
     Args:
@@ -316,6 +316,13 @@ class Table:
       version: the current policy version.
       rng: the host PRNG key to continue from (``uint32[2]``, e.g.
         ``host_state()["rng"]``).
+      check: also check that the state is consistent, not just well-shaped:
+        trees vs occupancy and priorities, counters vs size, keys vs
+        ``next_key``, reuse counts, ring position, version index
+        (``funcreplay.checkpoint.consistency``; O(C) on the host, ~numpy
+        speed). A ``ValueError`` names the broken invariant. ``check=False``
+        trusts the caller: an inconsistent state then misbehaves silently
+        (e.g. samples free slots).
     """
     if not isinstance(spec, TableSpec):
       raise TypeError(f"Table.from_state expects a TableSpec, got {type(spec).__name__}.")
@@ -332,6 +339,9 @@ class Table:
         raise ValueError(f"Table.from_state: state{jax.tree_util.keystr(path)} is "
                          f"{np.dtype(g.dtype).name}{list(np.shape(g))}, the spec needs "
                          f"{np.dtype(w.dtype).name}{list(w.shape)}.")
+    if check:
+      from funcreplay.checkpoint import consistency  # noqa: PLC0415 (lazy, as save/restore)
+      consistency.check_state(spec, state)
     if rng is None:
       rng = jax.random.PRNGKey(_check_int(seed, "seed", 0, 2**32 - 1))
     else:
@@ -783,7 +793,7 @@ class Table:
     from funcreplay import checkpoint  # noqa: PLC0415
     return checkpoint.restore_table(path, **kwargs)
 
-  def load(self, path, *, verify: bool = True) -> None:
+  def load(self, path, *, verify: bool = True, check: bool = True) -> None:
     """Restore a checkpoint *into* this table (same spec): ingestors, samplers and
     threads holding this ``Table`` carry on with the loaded items, counters, PRNG key
     and version.
@@ -793,11 +803,12 @@ class Table:
     raises ``CheckpointError`` and leaves the table as it was); the state is then
     swapped in under the lock and every waiter is woken to re-check the rate
     limiter against the loaded state. A checkpoint of the pure layer (no host
-    extras) keeps this table's PRNG key and version.
+    extras) keeps this table's PRNG key and version. ``verify`` / ``check``: as in
+    ``Table.restore`` (CRC-32s; the state's consistency, see ``from_state``).
     """
     self._check_open("load")
     from funcreplay.checkpoint import host  # noqa: PLC0415
-    state, version, rng = host.read_into(self, path, verify=verify)
+    state, version, rng = host.read_into(self, path, verify=verify, check=check)
     state = jax.tree_util.tree_map(jnp.asarray, state)
     with self._cond:
       self._check_open("load")
