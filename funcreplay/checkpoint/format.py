@@ -4,8 +4,9 @@ A checkpoint is a directory::
 
     ckpt/
       manifest.json          schema version, funcreplay version, spec, host state,
-                             user extras, and per array: leaf path, file, shape,
-                             dtype, byte count, crc32
+                             user extras, packed rows (``rows.py``), and per array:
+                             leaf path, file, shape, dtype, byte count, crc32;
+                             last, ``manifest_crc32`` over all of that
       000-data.obs.npy       np.save format (allow_pickle=False), one per leaf
       001-occupied.npy
       ...
