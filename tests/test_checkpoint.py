@@ -60,6 +60,8 @@ def _leaves(state):
   """Leaves of a host copy of ``state``, item data of free slots zeroed: checkpoints do not
   store those bytes (checkpoint.rows) and nothing reads them."""
   s = jax.device_get(state)
+  if not isinstance(s, fr.TableState):  # e.g. a counters dict
+    return jax.tree_util.tree_leaves_with_path(s)
   occ = np.asarray(s.occupied, bool)
   s = s.replace(data=jax.tree_util.tree_map(
       lambda x: np.where(occ.reshape(occ.shape + (1,) * (np.ndim(x) - occ.ndim)), x,
