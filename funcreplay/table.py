@@ -270,6 +270,7 @@ class Table:
   Checkpoints: ``save(path)`` quiesces the table only for the snapshot: it
   takes the lock just long enough to copy the state (``snapshot()``), then
   writes without holding it, so inserters and samplers continue meanwhile.
+  ``load(path)`` restores a checkpoint into this table (same spec).
 
   Example::
 
