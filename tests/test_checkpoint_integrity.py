@@ -186,3 +186,16 @@ def test_schema_1_checkpoint_restores_bit_exactly():
   np.testing.assert_array_equal(np.asarray(s.info.probability), np.float32(want["sample_prob"]))
   stats = t.stats().to_dict()
   assert {k: int(stats[k]) for k in want["stats_after"]} == want["stats_after"]
+
+
+@pytest.mark.parametrize("keys,value", [
+    (("spec", "max_times_sampled"), "3"),
+    (("spec", "max_times_sampled"), -1),
+    (("spec", "sampler", "priority_exponent"), "x"),
+    (("spec", "capacity"), None),
+])
+def test_malformed_spec_entry_is_a_checkpoint_error(tmp_path, keys, value):
+  path = shutil.copytree(FIXTURE_V1, tmp_path / "c")  # schema 1: no checksum to stop the edit
+  _edit_manifest(path, _set(*keys, value=value))
+  with pytest.raises(ck.CheckpointError, match="the checkpoint.s spec cannot be decoded"):
+    ck.restore(path)
