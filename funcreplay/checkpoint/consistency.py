@@ -11,9 +11,10 @@ invariant that does not hold:
 
 * ``occ_tree``: leaves equal ``occupied`` (padding 0), every node the sum of
   its children (so the root is the size);
-* ``weight_tree`` (prioritized sampler): leaves equal ``priority**alpha`` of
-  occupied slots (0 for free ones or priority 0; within float32 rounding of
-  the kernels' ``pow``), every node exactly ``fl(left + right)``;
+* ``weight_tree`` (prioritized sampler): leaves equal
+  ``indexes.sample_weight`` (``priority**alpha`` of occupied slots, 0 for
+  free ones or priority 0; within float32 rounding of the native kernels'
+  ``pow``), every node exactly ``fl(left + right)``;
 * ``remover_tree`` (Lifo / heap removers): leaves are the slot if occupied
   else -1, every node one of its children's values (-1 only if both are);
 * ``priority``: finite and >= 0 on occupied slots;
@@ -39,11 +40,11 @@ import jax
 import numpy as np
 
 from funcreplay import counters as ctr
-from funcreplay import staleness
+from funcreplay import indexes, staleness
 from funcreplay.spec import TableSpec
 
-# Leaves of the weight tree are ``pow`` in float32 by XLA or the native kernels; numpy's
-# float32 ``pow`` may differ in the last bits. Relative tolerance of a few ulp (2**-23 each).
+# Leaves of the weight tree are ``pow`` in float32 by XLA or the native kernels; the two
+# may differ in the last bits. Relative tolerance of a few ulp (2**-23 each).
 _POW_RTOL = 8 * 2.0**-23
 _REMOVED = ("deletes", "evicted_capacity", "evicted_stale", "evicted_reuse")
 
@@ -160,10 +161,9 @@ def check_state(spec: TableSpec, state) -> None:
   if bad.any():
     _fail("priority", f"slot {_first(bad)} holds {prio[_first(bad)]!r}")
   if spec.prioritized:
-    alpha = np.float32(spec.sampler.priority_exponent)
-    with np.errstate(all="ignore"):
-      w = np.where(prio > 0, np.power(np.maximum(prio, np.float32(1e-30)), alpha), 0)
-    w = np.where(occ, w, 0).astype(np.float32)
+    # The table's own rule for a slot's weight (one eager O(C) pass), so the check
+    # follows it (e.g. how zero priorities weigh).
+    w = np.asarray(indexes.sample_weight(spec, occ, prio), np.float32)
     _check_sum_tree("weight_tree", np.asarray(state.weight_tree),
                     np.concatenate([w, np.zeros(p - c, np.float32)]), exact=False)
   if spec.needs_remover_tree:
