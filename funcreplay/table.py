@@ -810,10 +810,12 @@ class Table:
     self._check_open("load")
     from funcreplay.checkpoint import host  # noqa: PLC0415
     state, version, rng = host.read_into(self, path, verify=verify, check=check)
-    state = jax.tree_util.tree_map(jnp.asarray, state)
+    # The table's own copy, finished before the swap: a direct (in-place) sample may
+    # read the buffers as soon as the lock is released.
+    state = jax.block_until_ready(self._ops.copy(jax.tree_util.tree_map(jnp.asarray, state)))
     with self._cond:
       self._check_open("load")
-      self._state = self._ops.copy(state)
+      self._state = state
       if rng is not None:
         self._rng, self._version = jnp.asarray(rng), version
       self._cond.notify_all()
