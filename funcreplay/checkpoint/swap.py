@@ -1,0 +1,81 @@
+"""Overwriting a checkpoint without a moment where ``path`` has none.
+
+``save(path, overwrite=True)`` cannot swap two non-empty directories with one
+portable ``rename``, so it takes two: the old checkpoint goes to
+``.trash-<name>-<pid>-<hex>``, then the complete new one
+(``.tmp-<name>-<pid>-<hex>``, its manifest written last) to ``<name>``. A
+process killed between the two leaves no ``<name>``, but both complete copies
+side by side. ``interrupted(path)`` recognises that pair, and ``resolve``
+(hence every ``restore``) reads the new copy from it (its manifest exists, so
+every file was written before it). The next save to
+``path`` deletes the leftovers of saves whose process is gone
+(``clean_stale``). So ``restore(path)`` after any kill returns a complete
+checkpoint, the old or the new one, never an error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import List, Optional, Tuple
+
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+MANIFEST = "manifest.json"
+_OWNER_RE = re.compile(r"-(\d+)-[0-9a-f]{8}$")  # the "-<pid>-<hex>" tail of both prefixes
+
+
+def pid_alive(pid: int) -> bool:
+  """Whether process ``pid`` exists (a save by it may still be running)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, OSError):
+    return True
+  return True
+
+
+def _siblings(path: str) -> List[Tuple[str, int, str]]:
+  """``[(prefix, pid, full path)]`` of the temporary / trash directories of ``path``."""
+  parent, base = os.path.split(os.path.abspath(os.fspath(path)))
+  try:
+    names = os.listdir(parent)
+  except OSError:
+    return []
+  out = []
+  for name in sorted(names):
+    for prefix in (TMP_PREFIX, TRASH_PREFIX):
+      rest = name[len(prefix):] if name.startswith(prefix) else None
+      m = _OWNER_RE.search(rest) if rest is not None else None
+      if m and rest[:m.start()] == base:
+        out.append((prefix, int(m.group(1)), os.path.join(parent, name)))
+  return out
+
+
+def interrupted(path) -> Optional[str]:
+  """The new checkpoint an overwrite of ``path`` killed between its renames left, or None.
+
+  None whenever ``path`` itself exists. The new copy is the ``.tmp-`` holding
+  a manifest whose save had already moved the old one to ``.trash-`` (same
+  pid): the manifest is written last, so it is complete. A ``.trash-`` alone
+  is never used: ``layout.prune`` also renames to ``.trash-`` before
+  deleting, so one may be half-deleted.
+  """
+  path = os.fspath(path)
+  if os.path.exists(path):
+    return None
+  sib = _siblings(path)
+  swapping = {pid for prefix, pid, _ in sib if prefix == TRASH_PREFIX}
+  for prefix, pid, p in sib:
+    if prefix == TMP_PREFIX and pid in swapping and os.path.isfile(os.path.join(p, MANIFEST)):
+      return p
+  return None
+
+
+def clean_stale(path) -> None:
+  """Delete the temporaries and trash of ``path`` left by saves whose process is gone."""
+  for _, pid, p in _siblings(path):
+    if pid != os.getpid() and not pid_alive(pid):
+      shutil.rmtree(p, ignore_errors=True)
