@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 
 import funcreplay as fr
 from funcreplay import checkpoint as ck
+from funcreplay.checkpoint import core as ck_core
 from funcreplay.checkpoint import format as fmt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -96,6 +98,53 @@ def test_numbered_checkpoint_killed_mid_swap_is_listed(tmp_path):
   assert np.all(np.asarray(fr.Table.restore(d).snapshot().data["x"])[:3] == 2)
   _table(3).save(d, step=5, keep_last=1)
   assert sorted(os.listdir(d)) == ["ckpt-00000005"]
+
+
+def test_restore_during_a_live_overwrite_returns_a_whole_checkpoint(tmp_path, monkeypatch):
+  """A restore that starts between the two renames of a concurrent overwrite, and whose
+  directory is renamed away under it, reads again and returns the new checkpoint whole
+  (``swap.read_stable``)."""
+  path = tmp_path / "c"
+  _table(1).save(path)
+  new = _table(2)
+  in_window, go = threading.Event(), threading.Event()
+  real_rename, real_read = os.rename, fmt.read_arrays
+
+  def rename(a, b):  # the saver stops after its first rename (old -> .trash-)
+    real_rename(a, b)
+    if os.path.basename(b).startswith(fmt.TRASH_PREFIX) and not in_window.is_set():
+      in_window.set()
+      assert go.wait(60)
+
+  monkeypatch.setattr(fmt.os, "rename", rename)
+  saver = threading.Thread(target=new.save, args=(path,), kwargs={"overwrite": True})
+  saver.start()
+  assert in_window.wait(60)
+  reads = []
+
+  def read_arrays(where, manifest, **kw):  # the saver finishes while the reader reads
+    reads.append(os.path.basename(where))
+    if len(reads) == 1:
+      go.set()
+      saver.join(60)
+    return real_read(where, manifest, **kw)
+
+  monkeypatch.setattr(fmt, "read_arrays", read_arrays)
+  r = ck.restore(path, as_numpy=True)
+  assert not saver.is_alive()
+  assert reads[0].startswith(fmt.TMP_PREFIX) and reads[1:] == ["c"], reads  # read again
+  assert np.all(np.asarray(r.state.data["x"])[:3] == 2)
+  assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def test_a_missing_checkpoint_is_not_retried(tmp_path, monkeypatch):
+  """An unchanged failure is raised at once (read_stable repeats only changed reads)."""
+  calls = []
+  real = ck_core.resolve
+  monkeypatch.setattr(ck_core, "resolve", lambda p: calls.append(p) or real(p))
+  with pytest.raises(ck.CheckpointError):
+    ck.restore(tmp_path / "nothing")
+  assert len(calls) == 3  # fingerprint, the read, fingerprint
 
 
 # --- item 8: the manifest is checksummed ----------------------------------------------

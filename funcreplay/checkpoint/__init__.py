@@ -30,7 +30,8 @@ renamed atomically, parent fsynced: ``kill -9`` during a save leaves the
 previous checkpoint intact (``fsync=False`` trades power-loss safety for
 speed; ``restore(verify=False)`` skips the CRC pass on trusted storage).
 ``save(overwrite=True)`` killed between its two renames leaves the new copy
-beside the path, which ``restore`` finds (``swap.py``).
+beside the path, which ``restore`` finds (``swap.py``); a restore racing a live
+overwrite reads again until it read one whole checkpoint (``swap.read_stable``).
 ``directory/ckpt-<step>`` holds numbered
 checkpoints with keep-last-N (``layout.py``); ``restore(directory)`` picks the
 newest complete one.

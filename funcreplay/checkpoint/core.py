@@ -279,8 +279,16 @@ def restore(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bo
     CheckpointError (a ValueError) naming the file or spec field at fault:
     missing / incomplete / corrupted / truncated files, checksum
     mismatches, or a spec that does not fit. Nothing is returned unless
-    every array was read and verified.
+    every array was read and verified. A concurrent ``save(path,
+    overwrite=True)`` is not a failure: the read is repeated on the new
+    checkpoint (``swap.read_stable``).
   """
+  return swap.read_stable(path, resolve, lambda: _restore_once(
+      path, spec, allow_capacity_growth, mesh, axis, as_numpy, verify))
+
+
+def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verify) -> Restored:
+  """One read of ``restore`` (same arguments)."""
   path = resolve(path)
   manifest = fmt.read_manifest(path)
   mpath = os.path.join(path, fmt.MANIFEST)

@@ -11,6 +11,15 @@ every file was written before it). The next save to
 ``path`` deletes the leftovers of saves whose process is gone
 (``clean_stale``). So ``restore(path)`` after any kill returns a complete
 checkpoint, the old or the new one, never an error.
+
+A restore running *while* another thread or process overwrites the same path
+reads files by name from a directory that is renamed under it: a file may
+vanish, or belong to the new checkpoint while the manifest it holds is the
+old one's. ``read_stable`` therefore fingerprints the checkpoint (the
+directory ``resolve`` picks and its manifest's bytes) before and after each
+read, and reads again while it changed: a read that failed or mixed two
+checkpoints is never returned, and a failure on an unchanged checkpoint is
+raised as it is.
 """
 
 from __future__ import annotations
@@ -18,12 +27,19 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, TypeVar
+
+from funcreplay.checkpoint.errors import CheckpointError
 
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 MANIFEST = "manifest.json"
 _OWNER_RE = re.compile(r"-(\d+)-[0-9a-f]{8}$")  # the "-<pid>-<hex>" tail of both prefixes
+# Reads of a checkpoint that changed under them are repeated this often: each
+# repeat needs another complete save to land during the read, so a few suffice
+# unless the path is overwritten back to back faster than it can be read.
+STABLE_READ_ATTEMPTS = 8
+T = TypeVar("T")
 
 
 def pid_alive(pid: int) -> bool:
@@ -79,3 +95,34 @@ def clean_stale(path) -> None:
   for _, pid, p in _siblings(path):
     if pid != os.getpid() and not pid_alive(pid):
       shutil.rmtree(p, ignore_errors=True)
+
+
+def fingerprint(path, resolve: Callable[[str], str]) -> Optional[Tuple[str, bytes]]:
+  """``(directory resolve(path) picks, its manifest's bytes)``, or None if unreadable now."""
+  try:
+    where = resolve(path)
+    with open(os.path.join(where, MANIFEST), "rb") as f:
+      return where, f.read()
+  except (OSError, ValueError):  # mid-swap, or no checkpoint: the read itself will say
+    return None
+
+
+def read_stable(path, resolve: Callable[[str], str], read: Callable[[], T]) -> T:
+  """``read()``, repeated while the checkpoint at ``path`` changed during it (module doc).
+
+  Raises what the last ``read`` raised if the checkpoint did not change during
+  it; ``CheckpointError`` if it changed during each of ``STABLE_READ_ATTEMPTS`` reads.
+  """
+  for _ in range(STABLE_READ_ATTEMPTS):
+    before = fingerprint(path, resolve)
+    try:
+      out = read()
+    except (OSError, ValueError):  # CheckpointError is a ValueError
+      if fingerprint(path, resolve) == before:  # unchanged (or absent throughout): real
+        raise
+      continue
+    if fingerprint(path, resolve) == before:
+      return out
+  raise CheckpointError(f"{os.fspath(path)!r} was overwritten during each of "
+                        f"{STABLE_READ_ATTEMPTS} attempts to read it; restore it when saves to "
+                        "it pause.")
