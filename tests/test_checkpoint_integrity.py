@@ -22,6 +22,7 @@ import funcreplay as fr
 from funcreplay import checkpoint as ck
 from funcreplay.checkpoint import core as ck_core
 from funcreplay.checkpoint import format as fmt
+from funcreplay.checkpoint import swap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -47,6 +48,8 @@ _CRASH = textwrap.dedent("""
   sys.path.insert(0, {here!r})
   from test_checkpoint_integrity import _table
   from funcreplay.checkpoint import format as fmt
+  from funcreplay.checkpoint import swap
+  swap.RENAMEAT2 = None  # the two-rename overwrite (where the OS has no atomic exchange)
   path, after = sys.argv[1], int(sys.argv[2])
   _table(1).save(path)
   calls = []
@@ -104,6 +107,7 @@ def test_restore_during_a_live_overwrite_returns_a_whole_checkpoint(tmp_path, mo
   """A restore that starts between the two renames of a concurrent overwrite, and whose
   directory is renamed away under it, reads again and returns the new checkpoint whole
   (``swap.read_stable``)."""
+  monkeypatch.setattr(swap, "RENAMEAT2", None)  # the two renames, and a pause between them
   path = tmp_path / "c"
   _table(1).save(path)
   new = _table(2)
@@ -135,6 +139,58 @@ def test_restore_during_a_live_overwrite_returns_a_whole_checkpoint(tmp_path, mo
   assert reads[0].startswith(fmt.TMP_PREFIX) and reads[1:] == ["c"], reads  # read again
   assert np.all(np.asarray(r.state.data["x"])[:3] == 2)
   assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def _exchange_works(tmp_path) -> bool:
+  a, b = tmp_path / "probe-a", tmp_path / "probe-b"
+  a.mkdir()
+  b.mkdir()
+  (a / "f").touch()
+  ok = swap.exchange(str(a), str(b))
+  assert not ok or sorted(os.listdir(b)) == ["f"]
+  shutil.rmtree(a)
+  shutil.rmtree(b)
+  return ok
+
+
+def test_overwrite_is_one_atomic_exchange(tmp_path, monkeypatch):
+  """Where the OS can (Linux renameat2), the overwrite is one swap: no rename, so ``path``
+  is never absent; the old copy is deleted after."""
+  if not _exchange_works(tmp_path):
+    pytest.skip("no renameat2(RENAME_EXCHANGE) here: the two-rename overwrite is used")
+  path = tmp_path / "c"
+  _table(1).save(path)
+  renames = []
+  real = os.rename
+  monkeypatch.setattr(fmt.os, "rename", lambda a, b: renames.append((a, b)) or real(a, b))
+  _table(2).save(path, overwrite=True)
+  assert renames == []
+  assert np.all(np.asarray(fr.Table.restore(path).snapshot().data["x"])[:3] == 2)
+  assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_restore_reads_again_when_an_overwrite_lands_mid_read(tmp_path, monkeypatch, atomic):
+  """A whole overwrite landing between a restore's manifest read and its array reads (the
+  files now belong to the new copy): the restore reads again and returns the new one."""
+  if not atomic:
+    monkeypatch.setattr(swap, "RENAMEAT2", None)
+  path = tmp_path / "c"
+  _table(1).save(path)
+  new = _table(2)
+  reads = []
+  real_read = fmt.read_arrays
+
+  def read_arrays(where, manifest, **kw):
+    reads.append(os.path.basename(where))
+    if len(reads) == 1:
+      new.save(path, overwrite=True)
+    return real_read(where, manifest, **kw)
+
+  monkeypatch.setattr(fmt, "read_arrays", read_arrays)
+  r = ck.restore(path, as_numpy=True, verify=False)  # no CRC: only the fingerprint notices
+  assert reads == ["c", "c"]
+  assert np.all(np.asarray(r.state.data["x"])[:3] == 2)
 
 
 def test_a_missing_checkpoint_is_not_retried(tmp_path, monkeypatch):

@@ -29,9 +29,11 @@ nothing executable. Written to a temporary directory, every file fsynced,
 renamed atomically, parent fsynced: ``kill -9`` during a save leaves the
 previous checkpoint intact (``fsync=False`` trades power-loss safety for
 speed; ``restore(verify=False)`` skips the CRC pass on trusted storage).
-``save(overwrite=True)`` killed between its two renames leaves the new copy
-beside the path, which ``restore`` finds (``swap.py``); a restore racing a live
-overwrite reads again until it read one whole checkpoint (``swap.read_stable``).
+``save(overwrite=True)`` swaps the new copy in with one atomic
+``renameat2(RENAME_EXCHANGE)`` on Linux; elsewhere it takes two renames, and a
+kill between them leaves the new copy beside the path, which ``restore`` finds
+(``swap.py``). A restore racing a live overwrite reads again until it read one
+whole checkpoint (``swap.read_stable``).
 ``directory/ckpt-<step>`` holds numbered
 checkpoints with keep-last-N (``layout.py``); ``restore(directory)`` picks the
 newest complete one.

@@ -185,9 +185,10 @@ def write_dir(path: str, arrays: Sequence[Tuple[str, np.ndarray]], header: Dict[
     path: the final directory; its parent must exist.
     arrays: leaves in order; each becomes one ``.npy`` file.
     header: JSON-able fields merged into the manifest (spec, host state...).
-    overwrite: replace an existing checkpoint at ``path`` (the old one is
-      renamed aside first and deleted after the new one is in place; a kill
-      between the two renames is recovered by ``swap.interrupted``).
+    overwrite: replace an existing checkpoint at ``path``: swapped with the
+      new one in one atomic step where the OS can (``swap.exchange``), else
+      renamed aside first (a kill between the two renames is recovered by
+      ``swap.interrupted``); deleted once the new one is in place.
     fsync: fsync files and directories (durable against power loss); False
       is safe against process crashes only.
 
@@ -236,10 +237,13 @@ def write_dir(path: str, arrays: Sequence[Tuple[str, np.ndarray]], header: Dict[
         os.fsync(f.fileno())
     if fsync:
       fsync_path(tmp, directory=True)
-    if os.path.exists(path):
-      old = os.path.join(parent, f"{TRASH_PREFIX}{base}-{os.getpid()}-{secrets.token_hex(4)}")
-      os.rename(path, old)
-    os.rename(tmp, path)
+    if os.path.exists(path) and swap.exchange(tmp, path):
+      old = tmp  # one atomic swap (Linux): the previous checkpoint is now under tmp's name
+    else:  # two renames; a kill between them is recovered by swap.interrupted
+      if os.path.exists(path):
+        old = os.path.join(parent, f"{TRASH_PREFIX}{base}-{os.getpid()}-{secrets.token_hex(4)}")
+        os.rename(path, old)
+      os.rename(tmp, path)
     if fsync:
       fsync_path(parent, directory=True)
     if old is not None:

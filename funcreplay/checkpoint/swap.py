@@ -1,32 +1,44 @@
 """Overwriting a checkpoint without a moment where ``path`` has none.
 
-``save(path, overwrite=True)`` cannot swap two non-empty directories with one
-portable ``rename``, so it takes two: the old checkpoint goes to
+On Linux ``save(path, overwrite=True)`` swaps the complete new copy
+(``.tmp-<name>-<pid>-<hex>``) with ``path`` in one atomic step,
+``renameat2(RENAME_EXCHANGE)`` (``exchange``; glibc >= 2.28, ext4 / xfs /
+btrfs / tmpfs), then deletes the old copy it left under the temporary name: at
+every instant ``path`` is the old or the new checkpoint, whole. A kill before
+the deletion leaves a stale ``.tmp-`` beside a complete ``path``, which the
+next save there deletes.
+
+Where that call is missing or the file system refuses it (EINVAL, EXDEV...),
+there is no portable atomic swap of two non-empty directories, so the
+overwrite takes two renames: the old checkpoint goes to
 ``.trash-<name>-<pid>-<hex>``, then the complete new one
 (``.tmp-<name>-<pid>-<hex>``, its manifest written last) to ``<name>``. A
 process killed between the two leaves no ``<name>``, but both complete copies
 side by side. ``interrupted(path)`` recognises that pair, and ``resolve``
 (hence every ``restore``) reads the new copy from it (its manifest exists, so
-every file was written before it). The next save to
-``path`` deletes the leftovers of saves whose process is gone
-(``clean_stale``). So ``restore(path)`` after any kill returns a complete
+every file was written before it). The next save to ``path`` deletes the
+leftovers of saves whose process is gone (``clean_stale``). So
+``restore(path)`` after any kill returns a complete
 checkpoint, the old or the new one, never an error.
 
 A restore running *while* another thread or process overwrites the same path
-reads files by name from a directory that is renamed under it: a file may
-vanish, or belong to the new checkpoint while the manifest it holds is the
-old one's. ``read_stable`` therefore fingerprints the checkpoint (the
-directory ``resolve`` picks and its manifest's bytes) before and after each
-read, and reads again while it changed: a read that failed or mixed two
-checkpoints is never returned, and a failure on an unchanged checkpoint is
-raised as it is.
+reads files by name from a directory that is swapped under it: a file may
+vanish (two renames), or belong to the new checkpoint while the manifest it
+holds is the old one's (either way). ``read_stable`` therefore fingerprints
+the checkpoint (the directory ``resolve`` picks and its manifest's bytes)
+before and after each read, and reads again while it changed: a read that
+failed or mixed two checkpoints is never returned, and a failure on an
+unchanged checkpoint is raised as it is.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import shutil
+import sys
 from typing import Callable, List, Optional, Tuple, TypeVar
 
 from funcreplay.checkpoint.errors import CheckpointError
@@ -40,6 +52,41 @@ _OWNER_RE = re.compile(r"-(\d+)-[0-9a-f]{8}$")  # the "-<pid>-<hex>" tail of bot
 # unless the path is overwritten back to back faster than it can be read.
 STABLE_READ_ATTEMPTS = 8
 T = TypeVar("T")
+_AT_FDCWD = -100  # <fcntl.h>: paths relative to the working directory
+_RENAME_EXCHANGE = 2  # <linux/fs.h>: swap the two paths atomically
+# errnos meaning "this kernel / file system cannot exchange": use the two renames
+_NO_EXCHANGE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV)
+
+
+def _find_renameat2():
+  """libc's ``renameat2`` (Python's os has no binding), or None off Linux / on old glibc."""
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    fn = ctypes.CDLL(None, use_errno=True).renameat2
+  except (OSError, AttributeError):
+    return None
+  fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+  fn.restype = ctypes.c_int
+  return fn
+
+
+RENAMEAT2 = _find_renameat2()  # tests set it to None to exercise the two-rename fallback
+
+
+def exchange(a: str, b: str) -> bool:
+  """Swap the existing paths ``a`` and ``b`` in one atomic step; False where unsupported.
+
+  Raises ``OSError`` for any other failure (nothing was swapped).
+  """
+  if RENAMEAT2 is None:
+    return False
+  if RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in _NO_EXCHANGE:
+    return False
+  raise OSError(err, os.strerror(err), a, None, b)
 
 
 def pid_alive(pid: int) -> bool:
