@@ -25,6 +25,7 @@ dirty pages. Medians over ``--repeats``.
   python experiments/bench_checkpoint.py --items=1000000 --out=results/bench_checkpoint.json
 """
 
+import functools
 import json
 import os
 import shutil
@@ -40,6 +41,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
 from funcreplay import checkpoint as ck  # noqa: E402
+from funcreplay.core import counters as ctr  # noqa: E402
+from funcreplay.core import indexes  # noqa: E402
 
 FLAGS = flags.FLAGS
 NOTES = []  # filled by run(): the disk and the lock hold, for the benchmark driver
@@ -66,7 +69,10 @@ def _state(n: int):
           "reward": rng.standard_normal(n, dtype=np.float32),
           "discount": np.ones(n, np.float32)}
   state = state.replace(data=jax.device_put(data), occupied=jnp.ones((n,), bool),
-                        key=jnp.arange(n, dtype=jnp.uint32), next_key=jnp.uint32(n))
+                        key=jnp.arange(n, dtype=jnp.uint32), next_key=jnp.uint32(n),
+                        counters={**state.counters, "inserts": ctr.from_int(n)})
+  # Trees derived from the columns: a consistent state (Table.from_state checks it).
+  state = jax.jit(functools.partial(indexes.rebuild, spec))(state)
   return spec, jax.block_until_ready(state)
 
 

@@ -38,6 +38,8 @@ def saves_spec():
 def saves(directory: str, start: int):
   spec = saves_spec()
   state = jax.device_get(jax.jit(fr.make_table(spec).init)())
+  # Every slot occupied: the rows of free slots are not stored (checkpoint.rows).
+  state = state.replace(occupied=np.ones((spec.capacity,), bool))
   step = start
   while True:
     data = {"x": np.full((spec.capacity, ROW), step, np.int32)}

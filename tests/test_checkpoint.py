@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 
 import funcreplay as fr
 from funcreplay import checkpoint as ck
-from funcreplay.core import counters as ctr
 from funcreplay.checkpoint import format as fmt
 from funcreplay.checkpoint import spec_codec
+from funcreplay.core import counters as ctr
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -57,11 +57,20 @@ def _items(n, start):
 
 
 def _leaves(state):
-  return jax.tree_util.tree_leaves_with_path(jax.device_get(state))
+  """Leaves of a host copy of ``state``, item data of free slots zeroed: checkpoints do not
+  store those bytes (checkpoint.rows) and nothing reads them."""
+  s = jax.device_get(state)
+  if not isinstance(s, fr.TableState):  # e.g. a counters dict
+    return jax.tree_util.tree_leaves_with_path(s)
+  occ = np.asarray(s.occupied, bool)
+  s = s.replace(data=jax.tree_util.tree_map(
+      lambda x: np.where(occ.reshape(occ.shape + (1,) * (np.ndim(x) - occ.ndim)), x,
+                         np.zeros((), np.asarray(x).dtype)), s.data))
+  return jax.tree_util.tree_leaves_with_path(s)
 
 
 def assert_states_equal(a, b):
-  """Every leaf: same path, shape, dtype and bytes."""
+  """Every leaf: same path, shape, dtype and bytes (item data: of occupied slots)."""
   la, lb = _leaves(a), _leaves(b)
   assert [jax.tree_util.keystr(p) for p, _ in la] == [jax.tree_util.keystr(p) for p, _ in lb]
   for (path, x), (_, y) in zip(la, lb, strict=True):
@@ -157,13 +166,14 @@ def test_counters_near_2_pow_32_survive(tmp_path):
   big = {name: ctr.from_int(2**32 - 2) for name in state.counters}
   state = state.replace(counters=big, next_key=jnp.uint32(2**32 - 1),
                         limiter_diff=jnp.int32(2**30 - 1))
-  a = fr.Table.from_state(spec, state, seed=5)  # reuses the spec's compiled ops
+  # A synthetic state (counters not matching its size): trusted, not checked.
+  a = fr.Table.from_state(spec, state, seed=5, check=False)  # reuses the spec's compiled ops
   a.insert(_items(2, 0), priority=np.float32([1, 2]))
   a.insert(_items(2, 4), priority=np.float32([3, 4]))
   want = a.stats().to_dict()["inserts"]
   assert want == 2**32 + 2
   path = a.save(tmp_path / "c")
-  b = fr.Table.restore(path)
+  b = fr.Table.restore(path, check=False)
   assert_states_equal(a.snapshot(), b.snapshot())
   st_b = jax.device_get(b.snapshot())
   assert b.stats().to_dict()["inserts"] == want

@@ -20,8 +20,8 @@ import jax
 import numpy as np
 
 from funcreplay import distributed as shd
+from funcreplay.checkpoint import fields, layout, migrate, record, rows, spec_codec, swap
 from funcreplay.checkpoint import format as fmt
-from funcreplay.checkpoint import layout, migrate, record, spec_codec
 from funcreplay.checkpoint.errors import CheckpointError
 from funcreplay.core import caches, ledger, staleness
 from funcreplay.core import state as state_lib
@@ -152,7 +152,7 @@ def save(path, state: TableState, spec: TableSpec, *, extra: Any = None,
     # before reading the checkpoint elsewhere.
     return os.path.abspath(os.fspath(path))
   leaves, _ = jax.tree_util.tree_flatten_with_path(record.to_record(host_np))
-  arrays = [(_leaf_name(p), np.asarray(x)) for p, x in leaves]
+  arrays, rows_entry = rows.pack([(_leaf_name(p), np.asarray(x)) for p, x in leaves])
   header = {
       "funcreplay_version": VERSION,
       "created_unix": time.time(),
@@ -161,15 +161,23 @@ def save(path, state: TableState, spec: TableSpec, *, extra: Any = None,
       "host": None if host is None else {"version": int(host["version"]),
                                          "rng": [int(v) for v in np.asarray(host["rng"])]},
       "extra": extra_json,
+      "rows": rows_entry,
   }
   return fmt.write_dir(path, arrays, header, overwrite=overwrite, fsync=fsync)
 
 
 def resolve(path) -> str:
-  """``path`` itself if it is a checkpoint, else the newest ``ckpt-<step>`` inside it."""
+  """``path`` itself if it is a checkpoint, else the newest ``ckpt-<step>`` inside it.
+
+  If an overwrite of ``path`` was killed between its two renames, the new
+  copy it left beside ``path`` (``swap.interrupted``).
+  """
   path = os.fspath(path)
   if os.path.isfile(os.path.join(path, fmt.MANIFEST)):
     return path
+  recovered = swap.interrupted(path)  # an overwrite killed between its two renames
+  if recovered is not None:
+    return recovered
   newest = layout.latest(path)
   if newest is not None:
     return newest
@@ -184,8 +192,9 @@ def resolve(path) -> str:
 _DERIVED = (".version_hist", ".version_bounds")
 
 
-def _check_arrays(manifest, spec: TableSpec, num_shards: Optional[int], where: str):
+def _check_arrays(manifest, spec: TableSpec, num_shards: Optional[int], where: str, rows_entry):
   treedef, expected = _expected(spec, num_shards)
+  lead = 1 if num_shards is None else 2
   entries = manifest["arrays"]
   names = [e.get("leaf") for e in entries]
   want = [n for n, _, _ in expected]
@@ -197,6 +206,7 @@ def _check_arrays(manifest, spec: TableSpec, num_shards: Optional[int], where: s
     raise CheckpointError(f"{where}: the checkpoint's arrays do not match the spec's state "
                           f"(missing {missing}, unexpected {unexpected}).")
   for e, (name, shape, dtype) in zip(entries, expected, strict=True):
+    shape = rows.stored_shape(name, shape, rows_entry, lead)
     if tuple(e["shape"]) != shape or e["dtype"] != dtype.name:
       raise CheckpointError(f"{where}: array {name} is {e['dtype']}{e['shape']} in the manifest, "
                             f"the spec needs {dtype.name}{list(shape)}.")
@@ -269,8 +279,16 @@ def restore(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bo
     CheckpointError (a ValueError) naming the file or spec field at fault:
     missing / incomplete / corrupted / truncated files, checksum
     mismatches, or a spec that does not fit. Nothing is returned unless
-    every array was read and verified.
+    every array was read and verified. A concurrent ``save(path,
+    overwrite=True)`` is not a failure: the read is repeated on the new
+    checkpoint (``swap.read_stable``).
   """
+  return swap.read_stable(path, resolve, lambda: _restore_once(
+      path, spec, allow_capacity_growth, mesh, axis, as_numpy, verify))
+
+
+def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verify) -> Restored:
+  """One read of ``restore`` (same arguments)."""
   path = resolve(path)
   manifest = fmt.read_manifest(path)
   mpath = os.path.join(path, fmt.MANIFEST)
@@ -281,6 +299,7 @@ def restore(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bo
     extra = manifest.get("extra")
   except KeyError as e:
     raise CheckpointError(f"{mpath}: the manifest lacks {e}; it is corrupted.") from None
+  host = fields.parse_host(host, mpath)
   if spec is None:
     spec = spec_codec.spec_from_json(saved)
     saved_spec = spec
@@ -300,15 +319,17 @@ def restore(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bo
     raise CheckpointError(f"{path}: capacity {spec.capacity} is not a multiple of the "
                           f"checkpoint's {num_shards} shards.")
   _check_placement(path, num_shards, mesh, axis, as_numpy)
-  treedef = _check_arrays(manifest, saved_spec, num_shards, mpath)
-  arrays = _add_derived(fmt.read_arrays(path, manifest, verify=verify), manifest, saved_spec,
-                        num_shards)
+  names = [e.get("leaf") for e in manifest["arrays"]]
+  rows_entry = rows.check_entry(manifest.get("rows"), names, mpath)  # absent in schema 1
+  treedef = _check_arrays(manifest, saved_spec, num_shards, mpath, rows_entry)
+  full = {n: (shape, dtype) for n, shape, dtype in _expected(saved_spec, num_shards)[1]}
+  arrays = rows.unpack(fmt.read_arrays(path, manifest, verify=verify), names,
+                       [full[n] for n in names], rows_entry, mpath)
+  arrays = _add_derived(arrays, manifest, saved_spec, num_shards)
   state = record.from_record(jax.tree_util.tree_unflatten(treedef, arrays))
   if spec.capacity != saved_spec.capacity:
     state = (migrate.grow(saved_spec, spec, state) if num_shards is None
              else migrate.grow_sharded(saved_spec, spec, state, num_shards))
-  if host is not None:
-    host = {"version": int(host["version"]), "rng": np.asarray(host["rng"], np.uint32)}
   if as_numpy:
     pass
   elif num_shards is not None:

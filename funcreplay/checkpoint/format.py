@@ -4,8 +4,9 @@ A checkpoint is a directory::
 
     ckpt/
       manifest.json          schema version, funcreplay version, spec, host state,
-                             user extras, and per array: leaf path, file, shape,
-                             dtype, byte count, crc32
+                             user extras, packed rows (``rows.py``), and per array:
+                             leaf path, file, shape, dtype, byte count, crc32;
+                             last, ``manifest_crc32`` over all of that
       000-data.obs.npy       np.save format (allow_pickle=False), one per leaf
       001-occupied.npy
       ...
@@ -48,13 +49,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from funcreplay.checkpoint import swap
 from funcreplay.checkpoint.errors import CheckpointError
 
 FORMAT = "funcreplay.checkpoint"
-SCHEMA_VERSION = 1
-MANIFEST = "manifest.json"
-TMP_PREFIX = ".tmp-"
-TRASH_PREFIX = ".trash-"
+# 2: the manifest carries its own CRC-32 (``MANIFEST_CRC``) and item data may be stored as
+# the occupied rows only (``funcreplay.checkpoint.rows``). 1: neither; still read (see
+# ``funcreplay.checkpoint.migrate``).
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
+MANIFEST = swap.MANIFEST
+MANIFEST_CRC = "manifest_crc32"
+TMP_PREFIX = swap.TMP_PREFIX
+TRASH_PREFIX = swap.TRASH_PREFIX
 _WORKERS = 4  # file writes, reads and crc32 release the GIL: overlap them
 _SMALL = 1 << 20  # arrays below this many bytes are handled inline (no hand-off cost)
 _POOL: Optional[Tuple[int, concurrent.futures.ThreadPoolExecutor]] = None
@@ -159,6 +166,17 @@ def _write_one(dirpath: str, file: str, arr: np.ndarray, fsync: bool = True) -> 
       os.fsync(f.fileno())
 
 
+def manifest_crc32(manifest: Dict[str, Any]) -> int:
+  """CRC-32 of a manifest's content (every field but ``MANIFEST_CRC``).
+
+  Taken over a canonical JSON text (sorted keys, no spaces), so a manifest
+  re-indented by a tool still verifies while any edited value does not.
+  """
+  body = {k: v for k, v in manifest.items() if k != MANIFEST_CRC}
+  text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+  return zlib.crc32(text.encode("utf-8")) & 0xFFFFFFFF
+
+
 def write_dir(path: str, arrays: Sequence[Tuple[str, np.ndarray]], header: Dict[str, Any],
               *, overwrite: bool = False, fsync: bool = True) -> str:
   """Write ``arrays`` ([(leaf name, ndarray)]) and a manifest to directory ``path``, atomically.
@@ -167,8 +185,10 @@ def write_dir(path: str, arrays: Sequence[Tuple[str, np.ndarray]], header: Dict[
     path: the final directory; its parent must exist.
     arrays: leaves in order; each becomes one ``.npy`` file.
     header: JSON-able fields merged into the manifest (spec, host state...).
-    overwrite: replace an existing checkpoint at ``path`` (the old one is
-      renamed aside first and deleted after the new one is in place).
+    overwrite: replace an existing checkpoint at ``path``: swapped with the
+      new one in one atomic step where the OS can (``swap.exchange``), else
+      renamed aside first (a kill between the two renames is recovered by
+      ``swap.interrupted``); deleted once the new one is in place.
     fsync: fsync files and directories (durable against power loss); False
       is safe against process crashes only.
 
@@ -179,7 +199,7 @@ def write_dir(path: str, arrays: Sequence[Tuple[str, np.ndarray]], header: Dict[
   parent, base = os.path.split(path)
   if not os.path.isdir(parent):
     raise FileNotFoundError(f"checkpoint save: parent directory {parent!r} does not exist.")
-  if os.path.exists(path) and not overwrite:
+  if (os.path.exists(path) or swap.interrupted(path)) and not overwrite:
     raise FileExistsError(f"checkpoint save: {path!r} already exists; pass overwrite=True or "
                           "save to a new path (e.g. a checkpoint directory with step=).")
   tmp = os.path.join(parent, f"{TMP_PREFIX}{base}-{os.getpid()}-{secrets.token_hex(4)}")
@@ -208,6 +228,7 @@ def write_dir(path: str, arrays: Sequence[Tuple[str, np.ndarray]], header: Dict[
                       f"u{a.dtype.itemsize}", "nbytes": int(a.nbytes), "crc32": crc})
     manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, **header,
                 "checksum": "crc32", "crc32_segment_bytes": SEGMENT, "arrays": entries}
+    manifest[MANIFEST_CRC] = manifest_crc32(manifest)
     text = json.dumps(manifest, indent=1, allow_nan=False)
     with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
       f.write(text)
@@ -216,14 +237,18 @@ def write_dir(path: str, arrays: Sequence[Tuple[str, np.ndarray]], header: Dict[
         os.fsync(f.fileno())
     if fsync:
       fsync_path(tmp, directory=True)
-    if os.path.exists(path):
-      old = os.path.join(parent, f"{TRASH_PREFIX}{base}-{os.getpid()}-{secrets.token_hex(4)}")
-      os.rename(path, old)
-    os.rename(tmp, path)
+    if os.path.exists(path) and swap.exchange(tmp, path):
+      old = tmp  # one atomic swap (Linux): the previous checkpoint is now under tmp's name
+    else:  # two renames; a kill between them is recovered by swap.interrupted
+      if os.path.exists(path):
+        old = os.path.join(parent, f"{TRASH_PREFIX}{base}-{os.getpid()}-{secrets.token_hex(4)}")
+        os.rename(path, old)
+      os.rename(tmp, path)
     if fsync:
       fsync_path(parent, directory=True)
     if old is not None:
       shutil.rmtree(old, ignore_errors=True)
+    swap.clean_stale(path)  # leftovers of killed saves to this path (a recovered pair too)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     if old is not None and not os.path.exists(path):
@@ -249,9 +274,18 @@ def read_manifest(path: str) -> Dict[str, Any]:
                           "or corrupted.") from None
   if not isinstance(m, dict) or m.get("format") != FORMAT:
     raise CheckpointError(f"{mpath}: not a funcreplay checkpoint manifest.")
-  if m.get("schema_version") != SCHEMA_VERSION:
+  if m.get("schema_version") not in READABLE_SCHEMAS:
     raise CheckpointError(f"{mpath}: schema version {m.get('schema_version')!r}; this "
-                          f"funcreplay reads version {SCHEMA_VERSION}.")
+                          f"funcreplay reads versions {list(READABLE_SCHEMAS)}.")
+  if m["schema_version"] >= 2:
+    try:
+      ok = m.get(MANIFEST_CRC) == manifest_crc32(m)
+    except (TypeError, ValueError):  # e.g. NaN written into the JSON by hand
+      ok = False
+    if not ok:
+      raise CheckpointError(f"{mpath}: the manifest's checksum does not match its content: it "
+                            "was edited or corrupted (spec, host state, extra and the per-file "
+                            "checksums are all covered).")
   if not isinstance(m.get("arrays"), list):
     raise CheckpointError(f"{mpath}: the manifest lists no arrays; it is corrupted.")
   return m

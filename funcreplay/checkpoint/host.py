@@ -17,6 +17,7 @@ from typing import Any, Optional
 from funcreplay.checkpoint import core, layout
 from funcreplay.checkpoint.errors import CheckpointError
 from funcreplay.core.spec import TableSpec
+from funcreplay.host import consistency
 from funcreplay.host import table as table_lib
 from funcreplay.host.table import Table
 
@@ -60,7 +61,7 @@ def save_table(table, path, *, step: Optional[int] = None, keep_last: Optional[i
 
 
 def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bool = False,
-                  seed: int = 0, verify: bool = True):
+                  seed: int = 0, verify: bool = True, check: bool = True):
   """A new ``Table`` from a checkpoint (or from the newest one in a directory of them).
 
   Args:
@@ -72,6 +73,7 @@ def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_grow
       (``save``), which has no host key; a table checkpoint continues its own
       key.
     verify: check CRC-32 checksums (see ``funcreplay.checkpoint.restore``).
+    check: check the restored state's consistency (``Table.from_state``).
 
   Returns:
     ``funcreplay.Table`` with the saved state, PRNG key and policy version.
@@ -82,9 +84,40 @@ def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_grow
     raise CheckpointError(f"{r.path}: a sharded checkpoint ({r.num_shards} shards) cannot become "
                           "a host Table; use funcreplay.checkpoint.restore(path, mesh=...).")
   if r.host is None:
-    return Table.from_state(r.spec, r.state, seed=seed)
-  return Table.from_state(r.spec, r.state, version=r.host["version"], rng=r.host["rng"])
+    return Table.from_state(r.spec, r.state, seed=seed, check=check)
+  return Table.from_state(r.spec, r.state, version=r.host["version"], rng=r.host["rng"],
+                          check=check)
 
 
-# Table.save / Table.restore call these (the host layer never imports this one).
-table_lib.register_checkpoint_io(save_table, restore_table)
+def read_into(table, path, *, verify: bool = True, check: bool = True):
+  """``(state, version, rng)`` of a checkpoint, checked against ``table.spec``, for ``Table.load``.
+
+  Args:
+    table: the live ``funcreplay.Table`` to restore into (only its spec is read).
+    path: checkpoint directory or directory of ``ckpt-<step>`` checkpoints.
+    verify: check CRC-32 checksums.
+    check: check the state's consistency (``consistency.check_state``).
+
+  Returns:
+    ``state`` (a host numpy ``TableState`` of ``table.spec``), ``version`` (int)
+    and ``rng`` (uint32[2]); both None for a pure-layer checkpoint (the table
+    keeps its own key and version).
+
+  Raises:
+    CheckpointError if the checkpoint's spec differs from the table's (every
+    difference listed; capacity growth is not applied to a live table), if it
+    is sharded, or if it is missing or corrupted. Reads nothing into the table.
+  """
+  r = core.restore(path, table.spec, as_numpy=True, verify=verify)
+  if r.num_shards is not None:
+    raise CheckpointError(f"{r.path}: a sharded checkpoint ({r.num_shards} shards) cannot be "
+                          "loaded into a host Table.")
+  if check:
+    consistency.check_state(table.spec, r.state)
+  if r.host is None:
+    return r.state, None, None
+  return r.state, r.host["version"], r.host["rng"]
+
+
+# Table.save / Table.restore / Table.load call these (the host layer never imports this one).
+table_lib.register_checkpoint_io(save_table, restore_table, read_into)

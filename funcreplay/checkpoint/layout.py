@@ -4,7 +4,9 @@ Only complete checkpoints ever carry the name ``ckpt-<step>`` (they are
 renamed into place atomically, see ``format.write_dir``), so discovery is a
 directory listing: temporary (``.tmp-*``) and half-deleted (``.trash-*``)
 directories are skipped, and a ``ckpt-<step>`` without a manifest (copied by
-hand, damaged) is skipped too.
+hand, damaged) is skipped too. The one exception: an overwrite of
+``ckpt-<step>`` killed between its two renames lists the new copy it left
+(``swap.interrupted``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shutil
 from typing import List, Optional, Tuple
 
 from funcreplay.checkpoint import format as fmt
+from funcreplay.checkpoint import swap
 
 PREFIX = "ckpt-"
 _STEP_RE = re.compile(r"^ckpt-(\d+)$")
@@ -33,13 +36,18 @@ def list_steps(directory: str) -> List[Tuple[int, str]]:
   directory = os.fspath(directory)
   if not os.path.isdir(directory):
     return []
-  out = []
+  out = {}
   for name in os.listdir(directory):
     m = _STEP_RE.match(name)
     path = os.path.join(directory, name)
     if m and os.path.isfile(os.path.join(path, fmt.MANIFEST)):
-      out.append((int(m.group(1)), path))
-  return sorted(out)
+      out[int(m.group(1))] = path
+    elif name.startswith(fmt.TMP_PREFIX):  # an overwrite of ckpt-<step> killed mid-swap
+      m = _STEP_RE.match(name[len(fmt.TMP_PREFIX):].rsplit("-", 2)[0])
+      recovered = m and swap.interrupted(os.path.join(directory, m.group(0)))
+      if recovered:
+        out[int(m.group(1))] = recovered
+  return sorted(out.items())
 
 
 def latest(directory: str) -> Optional[str]:
@@ -52,16 +60,6 @@ def next_step(directory: str) -> int:
   """One more than the newest step in ``directory`` (0 if none)."""
   steps = list_steps(directory)
   return steps[-1][0] + 1 if steps else 0
-
-
-def _pid_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except (PermissionError, OSError):
-    return True
-  return True
 
 
 def prune(directory: str, keep_last: int) -> List[str]:
@@ -86,6 +84,6 @@ def prune(directory: str, keep_last: int) -> List[str]:
   for name in os.listdir(directory):
     if name.startswith((fmt.TMP_PREFIX, fmt.TRASH_PREFIX)):
       m = re.search(r"-(\d+)-[0-9a-f]{8}$", name)
-      if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+      if m and int(m.group(1)) != os.getpid() and not swap.pid_alive(int(m.group(1))):
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
   return removed

@@ -42,6 +42,7 @@ from funcreplay.core import signature as sig_lib
 from funcreplay.core import state as state_lib
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
+from funcreplay.host import consistency
 from funcreplay.host.guard import TableClosedError, TableGuard
 from funcreplay.host.ingest import Ingestor
 from funcreplay.host.programs import ops_for as _ops_for
@@ -61,19 +62,19 @@ from funcreplay.host.validation import priority_rows as _priority_rows
 __all__ = ["Table", "TableClosedError", "check_metadata_columns", "register_checkpoint_io"]
 
 # Checkpoint I/O lives in the layer above (funcreplay.checkpoint): it registers
-# its save_table / restore_table here when imported, so the host never imports
-# it (``fr.Table`` imports funcreplay.checkpoint first).
+# its save_table / restore_table / read_into here when imported, so the host
+# never imports it (``fr.Table`` imports funcreplay.checkpoint first).
 CHECKPOINT_IO: Dict[str, Callable[..., Any]] = {}
 
 
-def register_checkpoint_io(save_table: Callable[..., Any],
-                           restore_table: Callable[..., Any]) -> None:
-  """Install the functions behind ``Table.save`` / ``Table.restore`` (funcreplay.checkpoint)."""
-  CHECKPOINT_IO.update(save=save_table, restore=restore_table)
+def register_checkpoint_io(save_table: Callable[..., Any], restore_table: Callable[..., Any],
+                           read_into: Callable[..., Any]) -> None:
+  """Install the functions behind ``Table.save`` / ``restore`` / ``load`` (checkpoint layer)."""
+  CHECKPOINT_IO.update(save=save_table, restore=restore_table, load=read_into)
 
 
 def checkpoint_io(what: str) -> Callable[..., Any]:
-  """The registered checkpoint function ``what`` ("save" / "restore"), or a clear error."""
+  """The registered checkpoint function ``what`` ("save" / "restore" / "load"), or a clear error."""
   fn = CHECKPOINT_IO.get(what)
   if fn is None:
     raise RuntimeError(f"Table.{what} needs funcreplay.checkpoint: `import funcreplay.checkpoint` "
@@ -104,6 +105,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
   Checkpoints: ``save(path)`` quiesces the table only for the snapshot: it
   takes the lock just long enough to copy the state (``snapshot()``), then
   writes without holding it, so inserters and samplers continue meanwhile.
+  ``load(path)`` restores a checkpoint into this table (same spec).
 
   Example::
 
@@ -140,7 +142,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
   # -- construction from a state (restore) ----------------------------------------
   @classmethod
   def from_state(cls, spec: TableSpec, state: TableState, *, seed: int = 0, version: int = 0,
-                 rng=None) -> "Table":
+                 rng=None, check: bool = True) -> "Table":
     """A ``Table`` owning a *copy* of ``state`` (used by checkpoint restore).
 
     Args:
@@ -150,6 +152,13 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
       version: the current policy version.
       rng: the host PRNG key to continue from (``uint32[2]``, e.g.
         ``host_state()["rng"]``).
+      check: also check that the state is consistent, not just well-shaped:
+        trees vs occupancy and priorities, counters vs size, keys vs
+        ``next_key``, reuse counts, ring position, version index
+        (``funcreplay.host.consistency``; O(C) on the host, ~numpy speed). A
+        ``ValueError`` names the broken invariant. ``check=False`` trusts the
+        caller: an inconsistent state then misbehaves silently (e.g. samples
+        free slots).
     """
     if not isinstance(spec, TableSpec):
       raise TypeError(f"Table.from_state expects a TableSpec, got {type(spec).__name__}.")
@@ -166,6 +175,8 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
         raise ValueError(f"Table.from_state: state{jax.tree_util.keystr(path)} is "
                          f"{np.dtype(g.dtype).name}{list(np.shape(g))}, the spec needs "
                          f"{np.dtype(w.dtype).name}{list(w.shape)}.")
+    if check:
+      consistency.check_state(spec, state)
     if rng is None:
       rng = jax.random.PRNGKey(_check_int(seed, "seed", 0, 2**32 - 1))
     else:
@@ -297,6 +308,31 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
   def restore(cls, path, **kwargs) -> "Table":
     """Restore a table saved by ``save`` (``funcreplay.checkpoint.restore_table``)."""
     return checkpoint_io("restore")(path, **kwargs)
+
+  def load(self, path, *, verify: bool = True, check: bool = True) -> None:
+    """Restore a checkpoint *into* this table (same spec): ingestors, samplers and
+    threads holding this ``Table`` carry on with the loaded items, counters, PRNG key
+    and version.
+
+    The checkpoint is read and verified without the lock
+    (``funcreplay.checkpoint.host.read_into``: a spec mismatch or a damaged file
+    raises ``CheckpointError`` and leaves the table as it was); the state is then
+    swapped in under the lock and every waiter is woken to re-check the rate
+    limiter against the loaded state. A checkpoint of the pure layer (no host
+    extras) keeps this table's PRNG key and version. ``verify`` / ``check``: as in
+    ``Table.restore`` (CRC-32s; the state's consistency, see ``from_state``).
+    """
+    self._check_open("load")
+    state, version, rng = checkpoint_io("load")(self, path, verify=verify, check=check)
+    # The table's own copy, finished before the swap: a direct (in-place) sample may
+    # read the buffers as soon as the lock is released.
+    state = jax.block_until_ready(self._ops.copy(jax.tree_util.tree_map(jnp.asarray, state)))
+    with self._cond:
+      self._check_open("load")
+      self._state = state
+      if rng is not None:
+        self._rng, self._version = jnp.asarray(rng), version
+      self._cond.notify_all()
 
   def ingestor(self, **kwargs):
     """A background-thread ``funcreplay.Ingestor`` feeding this table (context manager)."""
