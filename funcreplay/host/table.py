@@ -38,7 +38,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcreplay.core import selectors as sel
-from funcreplay.core import signature as sig_lib
 from funcreplay.core import state as state_lib
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
@@ -50,6 +49,7 @@ from funcreplay.host.table_updates import UpdatesMixin
 from funcreplay.host.validation import as_array as _as_array
 from funcreplay.host.validation import bucket as _bucket
 from funcreplay.host.validation import check_int as _check_int
+from funcreplay.host.validation import check_items
 from funcreplay.host.validation import check_metadata_columns
 from funcreplay.host.validation import check_timeout as _check_timeout
 from funcreplay.host.validation import describe_limiter as _describe_limiter
@@ -236,10 +236,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
     self._check_open("insert")
     timeout = _check_timeout(timeout)
     spec = self.spec
-    try:
-      leaves, b = sig_lib.check_items(spec.signature, items)
-    except (ValueError, TypeError) as e:
-      raise type(e)(f"Table.insert: {e}") from None
+    leaves, b = check_items(spec.signature, items, batched=True, what="Table.insert")
     if b == 0:
       raise ValueError("Table.insert: empty batch (B = 0); pass at least one item.")
     if b > spec.capacity:

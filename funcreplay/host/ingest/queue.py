@@ -90,7 +90,7 @@ class ProducerQueue:
     """
     if self._stop:
       self._raise_stopped("put_batch")
-    leaves, b = self._checker.batch(items)
+    leaves, b = self._checker.batch(items, "Ingestor.put_batch")
     if b == 0:
       raise ValueError("Ingestor.put_batch: empty batch (B = 0); pass at least one item.")
     vers = [None] * b if version is None else \
