@@ -30,11 +30,6 @@ def good(i=1):
   return {"a": i, "f": 0.5, "b": True}
 
 
-def snapshot(t: Table):
-  """Everything a bad call must leave unchanged."""
-  return t.size, t.version, t.stats() if hasattr(t, "stats") else None
-
-
 # -- item 9: no silent truncation ------------------------------------------------------------
 
 LOSSY = [
@@ -186,3 +181,101 @@ def test_sequence_writer_sink_failure_keeps_the_window():
   w.append({"id": np.int32(7)})
   assert sink.items == [[5, 6], [6, 7]]
   assert (w.stats().steps, w.stats().items) == (3, 2)
+
+
+# -- item 13: clear errors, the table intact ---------------------------------------------------
+
+def intact(t: Table):
+  """(size, stats, rng key): what a refused call must not change."""
+  s = t.stats().to_dict()
+  return t.size, sorted(s.items()), s["samples"], np.asarray(t.rng_key()).tolist()
+
+
+def filled(n=4, **spec_kwargs):
+  t = Table(fr.TableSpec(8, SIG, **spec_kwargs))
+  t.insert({"a": np.arange(n, dtype=np.int32), "f": np.zeros(n, np.float32),
+            "b": np.ones(n, bool)})
+  return t
+
+
+def test_torch_tensors_to_table_insert_name_the_leaf_and_from_torch():
+  torch = pytest.importorskip("torch")
+  t = filled()
+  before = intact(t)
+  items = {"a": torch.arange(2, dtype=torch.int32), "f": np.zeros(2, np.float32),
+           "b": np.ones(2, bool)}
+  with pytest.raises(TypeError, match=r"Table.insert: item leaf \['a'\].*torch.*from_torch"):
+    t.insert(items)
+  with t.ingestor() as ing:
+    with pytest.raises(TypeError, match=r"Ingestor.put_batch: item leaf \['a'\].*from_torch"):
+      ing.put_batch(items)
+  assert intact(t) == before
+  import funcreplay.torch as frt
+  t.insert(frt.from_torch(items, on_copy="ignore"))  # the way the message points to
+  assert t.size == 6
+
+
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_huge_batch_size_names_batch_size(replace, packed):
+  t = filled()
+  before = intact(t)
+  sample = t.sample_packed if packed else t.sample
+  for bad in (2**40, 2**31):
+    with pytest.raises(ValueError, match="batch_size"):
+      sample(bad, replace=replace, timeout=0)
+  assert intact(t) == before
+  assert sample(2, replace=replace, timeout=0) is not None
+
+
+def test_traced_batch_size_points_to_static_argnames():
+  ft = fr.make_table(fr.TableSpec(8, SIG))
+  state = ft.init()
+  f = jax.jit(lambda s, k, b: ft.sample(s, k, batch_size=b))
+  with pytest.raises(ValueError, match=r"batch_size.*traced.*static_argnames"):
+    f(state, jax.random.PRNGKey(0), 4)
+  g = jax.jit(lambda s, k, batch_size: ft.sample(s, k, batch_size=batch_size),
+              static_argnames=("batch_size",))
+  _, smp = g(state, jax.random.PRNGKey(0), batch_size=4)
+  assert smp.valid.shape == (4,)
+  with pytest.raises(ValueError, match="batch_size"):
+    ft.sample(state, jax.random.PRNGKey(0), batch_size=True)
+
+
+def test_torch_sampler_bogus_device():
+  pytest.importorskip("torch")
+  import funcreplay.torch as frt
+  t = filled()
+  with pytest.raises(ValueError, match=r"TorchSampler: device 'bogus'.*'cpu'"):
+    frt.TorchSampler(t, 2, device="bogus")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -0.5, "x", None])
+def test_torch_sampler_beta_callable_checked_before_sampling(bad):
+  pytest.importorskip("torch")
+  import funcreplay.torch as frt
+  t = filled()
+  before = intact(t)
+  betas = {0: 0.4, 1: bad}
+  with frt.TorchSampler(t, 2, beta=lambda i: betas[i], prefetch=0, replace=True) as smp:
+    batch = next(smp)
+    assert batch.weights is not None
+    after_one = intact(t)
+    assert after_one[2] == before[2] + 2  # samples
+    with pytest.raises(ValueError, match=r"TorchSampler: beta\(1\) returned"):
+      next(smp)
+    assert intact(t) == after_one  # nothing sampled for the refused batch
+
+
+def test_version_ahead_of_the_table_warns_once_and_is_kept():
+  t = Table(fr.TableSpec(8, SIG, max_staleness=2), version=5)
+  item = {"a": np.zeros(1, np.int32), "f": np.zeros(1, np.float32), "b": np.ones(1, bool)}
+  with pytest.warns(fr.VersionAheadWarning, match=r"version 9.*table's version 5.*set_version"):
+    t.insert(item, version=9)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    t.insert(item, version=10)  # once per table
+    t.insert(item, version=[3])
+  assert t.size == 3
+  smp = t.sample(3)  # items ahead count as fresh
+  assert np.asarray(smp.valid).all()
