@@ -192,8 +192,9 @@ def check_items(signature: Signature, items: Any, *, batched: bool = True,
     batch_size: if given, the required ``B``.
 
   Returns:
-    ``(leaves, B)``: the flat list of leaves as numpy/JAX arrays (Python
-    scalars converted to the leaf dtype) and the batch size (1 if unbatched).
+    ``(leaves, B)``: the flat list of leaves as numpy/JAX arrays (unbatched
+    Python scalars converted to the leaf dtype when lossless, ``scalar_leaf``)
+    and the batch size (1 if unbatched).
 
   Raises:
     ValueError / TypeError naming the leaf, the expected and the got

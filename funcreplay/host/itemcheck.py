@@ -56,10 +56,12 @@ def _compile_fast_check(signature: sig_lib.Signature) -> Callable[[Any], Optiona
   identity: numpy's builtin dtypes are singletons) with constants costs a few
   hundred nanoseconds, where ``treedef.flatten_up_to`` plus a loop costs
   microseconds. Scalar leaves accept numpy scalars of the exact type and
-  convert Python numbers of a compatible kind (``float`` / ``int`` for float
-  leaves, ``int`` for integer leaves, ``bool`` for bool leaves). Dtypes that
-  are equal but not identical, and every kind of mismatch, return None and
-  take the slow, explaining path.
+  convert Python numbers only where the conversion is lossless (``float``
+  below the leaf's overflow bound and ``int`` exactly representable for float
+  leaves, ``int`` for integer leaves, ``bool`` for bool leaves: a subset of
+  ``core.signature.scalar_leaf``). Dtypes that are equal but not identical,
+  and every kind of mismatch, return None and take the slow path, which
+  converts or explains.
   """
   lines: list = []
   consts: dict = {}
@@ -107,8 +109,10 @@ class ItemChecker:
   ``checker(item)`` returns the tuple of the item's leaves in the signature's
   (``jax.tree_util``) order: leaves of exactly the right shape and dtype as
   they are (no copy); Python ``bool`` / ``int`` / ``float`` leaves as 0-d numpy
-  arrays of the leaf dtype. Anything else raises ``ValueError`` /
-  ``TypeError`` prefixed with ``what`` and naming the leaf.
+  arrays of the leaf dtype where that is lossless (``1.5`` or ``True`` for an
+  int32 leaf is refused). Anything else raises ``ValueError`` / ``TypeError``
+  prefixed with ``what`` and naming the leaf (``validation.check_items``, the
+  same check as ``Table.insert``).
   """
 
   __slots__ = ("signature", "what", "fast")

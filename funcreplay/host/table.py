@@ -50,8 +50,7 @@ from funcreplay.host.table_updates import UpdatesMixin
 from funcreplay.host.validation import as_array as _as_array
 from funcreplay.host.validation import bucket as _bucket
 from funcreplay.host.validation import check_int as _check_int
-from funcreplay.host.validation import check_items
-from funcreplay.host.validation import check_metadata_columns
+from funcreplay.host.validation import check_items, check_metadata_columns
 from funcreplay.host.validation import check_timeout as _check_timeout
 from funcreplay.host.validation import describe_limiter as _describe_limiter
 from funcreplay.host.validation import int_rows as _int_rows

@@ -20,6 +20,7 @@ from funcreplay.interop.torch.batches import TorchBatch, importance_weights, sam
 from funcreplay.interop.torch.dlpack import OnCopy, check_on_copy
 from funcreplay.interop.torch.packed import host_batches, packed_batches, unsupported
 
+
 def _check_device(device) -> torch.device:
   """``torch.device(device)``, or a clear error naming the bad device."""
   try:
