@@ -60,6 +60,10 @@ LOG = logging.getLogger("funcreplay.ingest")
 # long. Long enough for any healthy drain (a table inserts thousands of items
 # per second), short enough that a blocked rate limiter is reported, not hung on.
 CLOSE_STALL_S = 60.0
+# Leaving a with block on an exception: stop waiting for pending items (and
+# discard them) once none has gone in for this long. Short: the program is
+# unwinding, and a healthy table takes a batch in milliseconds.
+EXIT_STALL_S = 1.0
 # How often a waiting close() logs that it is still waiting, and on what.
 CLOSE_WARN_EVERY_S = 10.0
 
@@ -92,9 +96,10 @@ class Ingestor(ProducerQueue, InsertWorker, Batcher):
   block closes it: normally ``close()``, which waits for the pending items
   but raises ``TimeoutError`` (naming the rate limiter) once none has gone in
   for ``CLOSE_STALL_S`` = 60 s, e.g. when a ``SampleToInsertRatio`` limiter
-  blocks inserts because the learner stopped sampling; on an exception,
-  ``close(discard_pending=True)``, noting on the exception how many items
-  were discarded. An ingestor never closed keeps its daemon thread, and the
+  blocks inserts because the learner stopped sampling; on an exception, the
+  pending items go in while the table takes them, the rest is discarded once
+  none has gone in for ``EXIT_STALL_S`` = 1 s, and the exception notes how
+  many were discarded. An ingestor never closed keeps its daemon thread, and the
   table, alive. Thread-safe: ``put`` / ``put_batch`` /
   ``flush`` / ``stats`` from any thread. Relies on the GIL (CPython's
   default build): the lock-free ``put`` path is not safe on free-threaded
@@ -212,14 +217,15 @@ class Ingestor(ProducerQueue, InsertWorker, Batcher):
       self._wake_cv.notify_all()
       self._room_cv.notify_all()
     if not self._joined:
-      self._wait_for_thread(timeout)
+      self._wait_for_thread(timeout, CLOSE_STALL_S)
       self._joined = True
     if self._error is not None and not self._error_reported_by_close:
       self._error_reported_by_close = True
       raise self._wrapped_error("close")
 
-  def _wait_for_thread(self, timeout: Union[None, float, str]) -> None:
-    """Join the insert thread: warn every ``CLOSE_WARN_EVERY_S``, raise per ``timeout``."""
+  def _wait_for_thread(self, timeout: Union[None, float, str], stall_s: float) -> None:
+    """Join the insert thread: warn every ``CLOSE_WARN_EVERY_S``; raise ``TimeoutError``
+    after ``timeout`` seconds, or (``"stall"``) after ``stall_s`` without progress."""
     stall = timeout == "stall"
     t0 = last_progress = time.monotonic()
     done = self._inserted + self._discarded + self._failed
@@ -227,7 +233,7 @@ class Ingestor(ProducerQueue, InsertWorker, Batcher):
 
     def deadline():
       if stall:
-        return last_progress + CLOSE_STALL_S
+        return last_progress + stall_s
       return None if timeout is None else t0 + timeout
 
     while True:
@@ -240,7 +246,7 @@ class Ingestor(ProducerQueue, InsertWorker, Batcher):
       if d != done:  # items went in (or were dropped): not stalled
         done, last_progress = d, now
       if deadline() is not None and now >= deadline():
-        how = (f"no item went in for {CLOSE_STALL_S} s" if stall
+        how = (f"no item went in for {stall_s} s" if stall
                else f"timed out after {timeout} s")
         raise TimeoutError(
             f"Ingestor.close: {how} with {self.pending} items not yet inserted: the table's "
@@ -268,11 +274,19 @@ class Ingestor(ProducerQueue, InsertWorker, Batcher):
     if exc_type is None:
       self.close()  # bounded: see close()
       return
-    # The body failed: never hang the unwinding on a blocked table and never
-    # mask the body's exception. Whatever is still pending is discarded at
-    # once (the batch being inserted goes in if the table takes it), and the
-    # propagating exception says how many items were dropped.
+    # The body failed: insert what was accepted while the table takes it, but
+    # never hang the unwinding on a blocked table and never mask the body's
+    # exception: once nothing has gone in for EXIT_STALL_S, the rest is
+    # discarded and the propagating exception says how many items were dropped.
     try:
+      try:
+        with self._lock:
+          self._set_stopped()
+          self._closing = True
+          self._wake_cv.notify_all()
+        self._wait_for_thread("stall", EXIT_STALL_S)
+      except TimeoutError:
+        pass
       self.close(discard_pending=True)
     except Exception as e:  # noqa: BLE001 (attached to the propagating exception)
       if exc is not None and hasattr(exc, "add_note"):
