@@ -64,8 +64,10 @@ def test_default_close_raises_after_a_stall_naming_the_limiter(fast_close, caplo
   assert t.sample(2, timeout=1.0).valid.all()
 
 
-def test_default_close_waits_while_inserts_progress(fast_close):
+def test_default_close_waits_while_inserts_progress(fast_close, monkeypatch):
+  monkeypatch.setattr(ingestor_lib, "CLOSE_STALL_S", 1.5)
   t, ing = blocked_table()
+  t.sample(1, timeout=30.0)  # compiled before the clock starts (a loaded CPU is slow)
   stop = threading.Event()
 
   def learner():  # samples slowly: each sample admits one more insert
@@ -74,17 +76,17 @@ def test_default_close_waits_while_inserts_progress(fast_close):
         t.sample(1, timeout=0.05)
       except TimeoutError:
         pass
-      time.sleep(0.08)
+      time.sleep(0.1)
 
   th = threading.Thread(target=learner, daemon=True)
   th.start()
   t0 = time.monotonic()
   try:
-    ing.close()  # takes longer than CLOSE_STALL_S in all, never stalls that long
+    ing.close()  # ~15 samples at 0.1 s: longer than CLOSE_STALL_S in all, never a stall
   finally:
     stop.set()
     th.join()
-  assert time.monotonic() - t0 > 0.6
+  assert time.monotonic() - t0 > 1.5
   assert ing.stats().inserted == 20
 
 
