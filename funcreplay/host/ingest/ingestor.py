@@ -21,8 +21,13 @@ Guarantees:
   item accepted before it is in the table; an exception in the insert thread
   is re-raised (as ``IngestorError``, chained) by the next ``put`` /
   ``put_batch`` / ``flush`` and by ``close()``, and every accepted item that
-  could not be inserted is counted in ``stats().failed``. Only an explicit
-  ``close(discard_pending=True)`` discards items, and counts them.
+  could not be inserted is counted in ``stats().failed``. Only
+  ``close(discard_pending=True)`` discards items, and counts them: called
+  explicitly, or by leaving a ``with`` block on an exception once the table
+  has taken nothing for ``EXIT_STALL_S`` (the exception notes how many).
+* **No silent hang:** ``close()`` raises ``TimeoutError`` naming the rate
+  limiter once nothing has gone in for ``CLOSE_STALL_S`` (60 s), and logs a
+  warning every ``CLOSE_WARN_EVERY_S`` (10 s) while it waits.
 * **Latency:** a partial batch is inserted once its first item has waited
   about ``max_wait_s`` (0: insert whatever is queued as soon as the thread is
   free; larger values give fewer, fuller inserts).
