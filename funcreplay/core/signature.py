@@ -7,6 +7,7 @@ leaf, *without* the batch axis. It is hashable so it can live in the static
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence, Tuple
 
 import jax
@@ -122,6 +123,63 @@ def as_signature(sig_or_example) -> Signature:
   return Signature(sig_or_example)
 
 
+def dtype_error(name: str, want, got: str, cast: str = "x.astype(np.{})") -> TypeError:
+  """The dtype-mismatch error of the host boundary (one wording for every entry point)."""
+  want = np.dtype(want).name
+  return TypeError(f"item leaf {name}: expected dtype {want}, got {got}. Cast it (e.g. "
+                   f"{cast.format(want)}).")
+
+
+def float_overflow_bound(dtype) -> float:
+  """The smallest magnitude a Python float rounds to infinity in the float ``dtype``
+  (round to nearest even: ``max`` plus half an ulp). Finite values below it stay finite."""
+  fi = jnp.finfo(dtype)
+  return 2.0 ** int(fi.maxexp) - 2.0 ** (int(fi.maxexp) - int(fi.nmant) - 2)
+
+
+def exact_int_bound(dtype) -> int:
+  """Every Python int of magnitude <= this is exact in the float ``dtype`` (2**(mantissa+1))."""
+  return 2 ** (int(jnp.finfo(dtype).nmant) + 1)
+
+
+# Python scalar kinds each leaf kind takes (numpy dtype.kind -> type names).
+_SCALAR_KINDS = {"b": ("bool",), "i": ("int",), "u": ("int",), "f": ("int", "float"),
+                 "c": ("int", "float")}
+
+
+def scalar_leaf(x, dtype, name: str) -> np.ndarray:
+  """A Python ``bool`` / ``int`` / ``float`` as a 0-d array of ``dtype``, only if lossless.
+
+  The rules, by kind, so that no value is truncated or changed silently:
+  bool leaves take ``bool``; integer leaves take ``int`` in range; float leaves
+  take ``float`` (rounded to the leaf's precision, but never a finite value
+  to infinity) and ``int`` exactly representable. Anything else (a ``float``
+  or ``bool`` for an integer leaf, an ``int`` for a bool leaf, ...) is the
+  dtype mismatch ``Table.insert`` reports for arrays (``TypeError``); a value
+  out of range is a ``ValueError``.
+  """
+  d = np.dtype(dtype)
+  kind = "bool" if isinstance(x, bool) else ("int" if isinstance(x, int) else "float")
+  if kind not in _SCALAR_KINDS.get(d.kind, ()):
+    raise dtype_error(name, d, f"a Python {kind} ({x!r})", cast="np.{}(x)")
+  if kind == "int" and d.kind in "iu":
+    info = np.iinfo(d)
+    if not info.min <= x <= info.max:
+      raise ValueError(f"item leaf {name}: the Python int {x} does not fit {d.name} "
+                       f"([{info.min}, {info.max}]).")
+  elif kind == "int" and d.kind == "f" and abs(x) > exact_int_bound(d):
+    with np.errstate(over="ignore"):
+      f = d.type(float(x)) if abs(x) < 2.0**1023 else d.type("inf")
+    if not np.isfinite(f) or int(f) != x:
+      raise ValueError(f"item leaf {name}: the Python int {x} is not exact in {d.name} (it "
+                       f"would become {f!r}); pass a float, or store it in an integer leaf.")
+  elif kind == "float" and d.kind == "f" and math.isfinite(x) \
+      and abs(x) >= float_overflow_bound(d):
+    raise ValueError(f"item leaf {name}: the Python float {x!r} does not fit {d.name} (it "
+                     "would become inf).")
+  return np.asarray(x, dtype=d)
+
+
 def check_items(signature: Signature, items: Any, *, batched: bool = True,
                 batch_size: Optional[int] = None) -> Tuple[Any, int]:
   """Validate ``items`` against ``signature`` at the host boundary.
@@ -134,8 +192,9 @@ def check_items(signature: Signature, items: Any, *, batched: bool = True,
     batch_size: if given, the required ``B``.
 
   Returns:
-    ``(leaves, B)``: the flat list of leaves as numpy/JAX arrays (Python
-    scalars converted to the leaf dtype) and the batch size (1 if unbatched).
+    ``(leaves, B)``: the flat list of leaves as numpy/JAX arrays (unbatched
+    Python scalars converted to the leaf dtype when lossless, ``scalar_leaf``)
+    and the batch size (1 if unbatched).
 
   Raises:
     ValueError / TypeError naming the leaf, the expected and the got
@@ -151,7 +210,7 @@ def check_items(signature: Signature, items: Any, *, batched: bool = True,
   out, sizes = [], []
   for name, spec, leaf in zip(signature.names, signature.leaves, leaves):
     if isinstance(leaf, (bool, int, float)) and not batched:
-      leaf = np.asarray(leaf, dtype=spec.dtype)
+      leaf = scalar_leaf(leaf, spec.dtype, name)
     if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
       leaf = np.asarray(leaf)
       if leaf.dtype == object:
@@ -167,10 +226,15 @@ def check_items(signature: Signature, items: Any, *, batched: bool = True,
     elif got_shape != want_shape:
       raise ValueError(f"item leaf {name}: expected shape {list(want_shape)}, "
                        f"got {list(got_shape)}.")
-    if np.dtype(leaf.dtype) != np.dtype(spec.dtype):
+    try:
+      got_dtype = np.dtype(leaf.dtype)
+    except TypeError:  # e.g. a torch tensor: torch.int32 is no numpy dtype
       raise TypeError(
-          f"item leaf {name}: expected dtype {np.dtype(spec.dtype).name}, got "
-          f"{np.dtype(leaf.dtype).name}. Cast it (e.g. x.astype(np.{np.dtype(spec.dtype).name})).")
+          f"item leaf {name}: a {type(leaf).__module__}.{type(leaf).__name__} of dtype "
+          f"{leaf.dtype} is not a numpy / JAX array; convert it first (torch tensors: "
+          "funcreplay.torch.from_torch(items), zero copy, or tensor.numpy()).") from None
+    if got_dtype != np.dtype(spec.dtype):
+      raise dtype_error(name, spec.dtype, got_dtype.name)
     out.append(leaf)
   if batched:
     if len(set(sizes)) != 1:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from funcreplay.core import signature as sig_lib
+from funcreplay.host import validation
 
 
 class _Unsupported(Exception):
@@ -55,10 +56,12 @@ def _compile_fast_check(signature: sig_lib.Signature) -> Callable[[Any], Optiona
   identity: numpy's builtin dtypes are singletons) with constants costs a few
   hundred nanoseconds, where ``treedef.flatten_up_to`` plus a loop costs
   microseconds. Scalar leaves accept numpy scalars of the exact type and
-  convert Python numbers of a compatible kind (``float`` / ``int`` for float
-  leaves, ``int`` for integer leaves, ``bool`` for bool leaves). Dtypes that
-  are equal but not identical, and every kind of mismatch, return None and
-  take the slow, explaining path.
+  convert Python numbers only where the conversion is lossless (``float``
+  below the leaf's overflow bound and ``int`` exactly representable for float
+  leaves, ``int`` for integer leaves, ``bool`` for bool leaves: a subset of
+  ``core.signature.scalar_leaf``). Dtypes that are equal but not identical,
+  and every kind of mismatch, return None and take the slow path, which
+  converts or explains.
   """
   lines: list = []
   consts: dict = {}
@@ -81,11 +84,17 @@ def _compile_fast_check(signature: sig_lib.Signature) -> Callable[[Any], Optiona
     # Python numbers of a compatible kind are converted (np.int32(2**40)
     # raises OverflowError -> the slow path explains it).
     consts[f"N{i}"] = d.type
-    py = {"b": "bool", "i": "int", "u": "int", "f": "float"}[d.kind]
-    conv = f"t is {py}" + (" or t is int" if d.kind == "f" else "")
-    body += [f"t = type({v})", f"if t is not N{i}:",
-             f"  if {conv}: {v} = N{i}({v})",
-             f"  elif {v}.shape != () or {v}.dtype is not D{i}: return None"]
+    body += [f"t = type({v})", f"if t is not N{i}:"]
+    if d.kind == "f":
+      # Only lossless conversions (core.signature.scalar_leaf, the slow path,
+      # explains the others): floats that stay finite, ints that are exact.
+      consts[f"F{i}"] = sig_lib.float_overflow_bound(d)
+      consts[f"I{i}"] = sig_lib.exact_int_bound(d)
+      body += [f"  if t is float and -F{i} < {v} < F{i}: {v} = N{i}({v})",
+               f"  elif t is int and -I{i} <= {v} <= I{i}: {v} = N{i}({v})"]
+    else:
+      body.append(f"  if t is {'bool' if d.kind == 'b' else 'int'}: {v} = N{i}({v})")
+    body.append(f"  elif {v}.shape != () or {v}.dtype is not D{i}: return None")
   body.append(f"return ({', '.join(leaves)},)")
   src = "\n".join(["def fast(x):", "  try:"] + ["    " + ln for ln in body]
                   + ["  except Exception:", "    return None"])
@@ -100,8 +109,10 @@ class ItemChecker:
   ``checker(item)`` returns the tuple of the item's leaves in the signature's
   (``jax.tree_util``) order: leaves of exactly the right shape and dtype as
   they are (no copy); Python ``bool`` / ``int`` / ``float`` leaves as 0-d numpy
-  arrays of the leaf dtype. Anything else raises ``ValueError`` /
-  ``TypeError`` prefixed with ``what`` and naming the leaf.
+  arrays of the leaf dtype where that is lossless (``1.5`` or ``True`` for an
+  int32 leaf is refused). Anything else raises ``ValueError`` / ``TypeError``
+  prefixed with ``what`` and naming the leaf (``validation.check_items``, the
+  same check as ``Table.insert``).
   """
 
   __slots__ = ("signature", "what", "fast")
@@ -118,20 +129,16 @@ class ItemChecker:
   def slow(self, item: Any) -> Tuple[Any, ...]:
     """The full check, with clear errors and Python-scalar conversion."""
     try:
-      leaves, _ = sig_lib.check_items(self.signature, item, batched=False)
-    except (ValueError, TypeError) as e:
-      raise type(e)(f"{self.what}: {e}") from None
+      leaves, _ = validation.check_items(self.signature, item, batched=False, what=self.what)
     except OverflowError as e:
       raise ValueError(f"{self.what}: a Python number does not fit its leaf's dtype ({e}); "
                        f"the signature is {self.signature!r}.") from None
     return tuple(leaves)
 
-  def batch(self, items: Any) -> Tuple[Tuple[np.ndarray, ...], int]:
+  def batch(self, items: Any, what: Optional[str] = None) -> Tuple[Tuple[np.ndarray, ...], int]:
     """``(numpy leaves, B)`` of a batch with a leading [B] axis."""
-    try:
-      leaves, b = sig_lib.check_items(self.signature, items, batched=True)
-    except (ValueError, TypeError) as e:
-      raise type(e)(f"{self.what}: {e}") from None
+    leaves, b = validation.check_items(self.signature, items, batched=True,
+                                       what=what or self.what)
     return tuple(np.asarray(x) for x in leaves), b
 
 

@@ -31,6 +31,7 @@ import functools
 import math
 import threading
 import time
+import warnings
 from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 import jax
@@ -38,7 +39,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcreplay.core import selectors as sel
-from funcreplay.core import signature as sig_lib
 from funcreplay.core import state as state_lib
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
@@ -51,7 +51,7 @@ from funcreplay.host.table_updates import UpdatesMixin
 from funcreplay.host.validation import as_array as _as_array
 from funcreplay.host.validation import bucket as _bucket
 from funcreplay.host.validation import check_int as _check_int
-from funcreplay.host.validation import check_metadata_columns
+from funcreplay.host.validation import check_items, check_metadata_columns
 from funcreplay.host.validation import check_timeout as _check_timeout
 from funcreplay.host.validation import describe_limiter as _describe_limiter
 from funcreplay.host.validation import int_rows as _int_rows
@@ -59,7 +59,21 @@ from funcreplay.host.validation import pad as _pad
 from funcreplay.host.validation import pad_leaf as _pad_leaf
 from funcreplay.host.validation import priority_rows as _priority_rows
 
-__all__ = ["Table", "TableClosedError", "check_metadata_columns", "register_checkpoint_io"]
+__all__ = ["Table", "TableClosedError", "VersionAheadWarning", "check_metadata_columns",
+           "register_checkpoint_io"]
+
+
+class VersionAheadWarning(UserWarning):
+  """Items were inserted with a version ahead of the table's (``Table.insert``).
+
+  Kept, not refused: an actor may receive policy ``v + 1`` before the learner
+  calls ``table.set_version(v + 1)``. Such items count as fresh (staleness
+  ``table version - item version`` < 0 is within any ``max_staleness``)
+  until the table's version passes theirs; a persistent gap usually means
+  ``set_version`` is never called. Warned once per table; filter it with
+  ``warnings.simplefilter("ignore", fr.VersionAheadWarning)``, or make it an
+  error with ``"error"``.
+  """
 
 # Checkpoint I/O lives in the layer above (funcreplay.checkpoint): it registers
 # its save_table / restore_table / read_into here when imported, so the host
@@ -128,6 +142,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
     self._version = _check_int(version, "version")
     self._cond = threading.Condition()
     self._closed = False
+    self._warned_ahead = False  # VersionAheadWarning given
     # MinSize-style limiters (no upper window) never block inserts: the insert
     # needs no device->host sync and stays asynchronous.
     self._insert_never_blocks = math.isinf(spec.rate_limiter.max_diff)
@@ -229,6 +244,9 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
       items: pytree matching ``spec.signature`` with a leading ``[B]`` axis on
         every leaf (numpy or JAX arrays of exactly the signature's dtypes).
       version: int or int[B]: policy version of each item (default: ``self.version``).
+        A version ahead of the table's is kept (it counts as fresh) with a
+        ``VersionAheadWarning``, once per table: the learner's
+        ``set_version`` may lag the actors' policy.
       priority: float or float[B], finite and >= 0 (default: the spec's
         default priority, or the largest seen so far).
       metadata: dict ``column -> int or int[B]`` over ``spec.metadata``
@@ -247,10 +265,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
     self._check_open("insert")
     timeout = _check_timeout(timeout)
     spec = self.spec
-    try:
-      leaves, b = sig_lib.check_items(spec.signature, items)
-    except (ValueError, TypeError) as e:
-      raise type(e)(f"Table.insert: {e}") from None
+    leaves, b = check_items(spec.signature, items, batched=True, what="Table.insert")
     if b == 0:
       raise ValueError("Table.insert: empty batch (B = 0); pass at least one item.")
     if b > spec.capacity:
@@ -266,6 +281,13 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
                                       "Table.insert")
     meta = {k: _pad(_int_rows(metadata.get(k, 0), b, f"Table.insert metadata[{k!r}]"), bk)
             for k in spec.metadata}
+    if version is not None and not self._warned_ahead and ver[:b].max() > self._version:
+      self._warned_ahead = True
+      warnings.warn(
+          f"Table.insert: item version {int(ver[:b].max())} is ahead of the table's version "
+          f"{self._version}; the items are kept and count as fresh until the table's version "
+          "passes theirs. Call table.set_version(v) when the learner moves to policy v (warned "
+          "once per table; see fr.VersionAheadWarning).", VersionAheadWarning, stacklevel=2)
     padded = jax.tree_util.tree_unflatten(spec.signature.treedef,
                                           [_pad_leaf(x, bk) for x in leaves])
     # Host arrays go to the jitted call as they are: its C++ path transfers

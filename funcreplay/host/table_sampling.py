@@ -21,10 +21,12 @@ from funcreplay.core import selectors as sel
 from funcreplay.core.packing import is_torch_tensor
 from funcreplay.core.state import Sample
 from funcreplay.host import direct as direct_lib
-from funcreplay.host.validation import Where
+from funcreplay.host.validation import I32, Where
 from funcreplay.host.validation import check_int as _check_int
 from funcreplay.host.validation import check_timeout as _check_timeout
 from funcreplay.host.validation import describe_limiter as _describe_limiter
+
+MAX_BATCH_SIZE = int(I32.max)  # sample rows are indexed with int32
 
 
 class SamplingMixin:
@@ -157,6 +159,10 @@ class SamplingMixin:
         or batch_size < 1:
       raise ValueError(f"{what}: batch_size must be an int >= 1, got {batch_size!r}.")
     batch_size = int(batch_size)
+    if batch_size > MAX_BATCH_SIZE:
+      raise ValueError(f"{what}: batch_size {batch_size} is too large: rows are indexed with "
+                       f"int32, so at most {MAX_BATCH_SIZE} (and, without replace, at most the "
+                       f"capacity {spec.capacity}). Sample in smaller batches.")
     replace = bool(replace)
     if not replace and batch_size > spec.capacity:
       raise ValueError(f"{what}: batch_size {batch_size} exceeds the capacity "

@@ -8,18 +8,36 @@ leaves the table exactly as it was.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from funcreplay.core import selectors as sel
+from funcreplay.core import signature as sig_lib
 from funcreplay.core.spec import TableSpec
 
 I32 = np.iinfo(np.int32)
 
 Where = Union[None, np.ndarray, jax.Array, Mapping[str, Union[int, Sequence[int]]]]
+
+
+def check_items(signature: sig_lib.Signature, items: Any, *, batched: bool,
+                what: str) -> Tuple[list, int]:
+  """``(leaves, B)`` of ``items``, or the boundary's clear error prefixed with ``what``.
+
+  The one item check of the host: ``Table.insert``, ``Ingestor.put`` /
+  ``put_batch`` and ``SequenceWriter.append`` all come here (the Ingestor's
+  generated fast path accepts only what this function accepts). Leaves must
+  have exactly the signature's dtypes; unbatched Python scalars are converted
+  only when lossless (``funcreplay.core.signature.scalar_leaf``: a ``1.5`` or a
+  ``True`` for an int32 leaf is a ``TypeError``, ``2**40`` a ``ValueError``).
+  """
+  try:
+    return sig_lib.check_items(signature, items, batched=batched)
+  except (ValueError, TypeError) as e:
+    raise type(e)(f"{what}: {e}") from None
 
 
 def bucket(n: int, cap: int) -> int:

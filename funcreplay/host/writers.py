@@ -34,7 +34,10 @@ import jax
 import numpy as np
 
 from funcreplay.core import signature as sig_lib
+from funcreplay.host import validation
 from funcreplay.host.itemcheck import ItemChecker
+
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def sequence_signature(step_signature: Any, length: int, *, pad: bool = False):
@@ -172,24 +175,29 @@ class SequenceWriter:
       version: policy version that produced the step (an item gets its first
         step's); None: the table's version at insertion.
       metadata: dict column -> int (an item gets its first step's).
+
+    Raises ``ValueError`` / ``TypeError`` for a bad step, version (int32),
+    metadata (columns of the table, int32 values) or step_id, checked here
+    (not when a later step completes the window) and before the writer
+    changes: the partial window stays intact. If emitting the window this
+    step completes fails (the sink raises, e.g. ``TimeoutError``, or
+    ``priority_fn`` returns a NaN / negative priority), the step is not
+    recorded either: the append can be retried.
     """
+    # Everything the step's item will carry is checked now, before the writer
+    # changes: a bad step raises here and the partial window stays intact.
     leaves = self._checker(step)
-    # Check what the item will carry now, not when a later step completes it.
-    if version is not None and (isinstance(version, (bool, np.bool_))
-                                or not isinstance(version, (int, np.integer))):
-      raise TypeError(f"SequenceWriter.append: version must be an int, got {version!r}.")
+    if version is not None:
+      version = validation.check_int(version, "SequenceWriter.append version")
     if metadata is not None:
-      if not isinstance(metadata, Mapping):
-        raise TypeError(f"SequenceWriter.append: metadata must be a dict column -> int, got "
-                        f"{type(metadata).__name__}.")
-      if self._columns is not None and not set(metadata) <= set(self._columns):
-        raise ValueError(f"SequenceWriter.append: unknown metadata columns "
-                         f"{sorted(set(metadata) - set(self._columns))}; the table declares "
-                         f"{list(self._columns)}.")
+      # Columns are checked against the table's when the writer knows them.
+      cols = self._columns if self._columns is not None else getattr(metadata, "keys", tuple)()
+      metadata = {k: validation.check_int(v, f"SequenceWriter.append metadata[{k!r}]")
+                  for k, v in validation.check_metadata_columns(
+                      metadata, cols, "SequenceWriter.append").items()}
     if step_id is not None:
-      if isinstance(step_id, (bool, np.bool_)) or not isinstance(step_id, (int, np.integer)):
-        raise TypeError(f"SequenceWriter.append: step_id must be an int, got {step_id!r}.")
-      step_id = int(step_id)
+      step_id = validation.check_int(step_id, "SequenceWriter.append step_id", -2**63,
+                                     2**63 - 1)
     if episode_id is not None and self._open_episode and episode_id != self._episode_id:
       self.end_episode()
     if episode_id is not None:
@@ -198,15 +206,18 @@ class SequenceWriter:
         and step_id != self._last_step_id + 1):
       self._gaps += 1
       self._end_segment()
+    new = _Step(leaves, version, metadata)
+    first = self._pos - (self._length - 1)  # start of the window ending at this step
+    if first >= 0 and first % self._stride == 0:
+      # Emit before recording the step: if the sink (or priority_fn) fails,
+      # the error propagates with the writer as it was, so the caller can
+      # retry this append and no window is lost.
+      self._emit(list(self._buf)[len(self._buf) - (self._length - 1):] + [new], self._length)
     self._last_step_id = step_id
     self._open_episode = True
-    self._buf.append(_Step(leaves, version, metadata))
+    self._buf.append(new)
     self._steps += 1
-    pos = self._pos
     self._pos += 1
-    first = pos - (self._length - 1)  # start of the window ending at this step
-    if first >= 0 and first % self._stride == 0:
-      self._emit(list(self._buf), self._length)
 
   def end_episode(self) -> None:
     """End the current episode: handle its partial window (drop or pad)."""
@@ -268,7 +279,17 @@ class SequenceWriter:
     if self._pad:
       item = {"steps": item, "mask": np.arange(length) < n_real}
     first = steps[0]
-    priority = None if self._priority_fn is None else float(self._priority_fn(item))
+    priority = None
+    if self._priority_fn is not None:
+      p = self._priority_fn(item)
+      try:
+        priority = float(p)
+      except (TypeError, ValueError):
+        priority = None
+      if priority is None or not 0.0 <= priority <= F32_MAX:  # also refuses NaN
+        raise ValueError(f"SequenceWriter: priority_fn returned {p!r} for a window; priorities "
+                         "must be finite floats >= 0 (as float32). Fix priority_fn; the step was "
+                         "not recorded, so the append can be retried.")
     self._emit_fn(item, first.version, priority, first.metadata)
     self._items += 1
 

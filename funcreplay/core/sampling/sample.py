@@ -29,6 +29,8 @@ from funcreplay.core.sampling.finish import finish as _finish
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import Sample, TableState
 
+MAX_BATCH_SIZE = 2**31 - 1  # rows (and slots) are indexed with int32
+
 
 def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=None,
            where=None, replace: bool = False, stratified: bool = False, enabled=None,
@@ -76,8 +78,13 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     remaining rows have ``valid=False``, slot -1 and zero data.
   """
   b = batch_size
-  if not isinstance(b, int) or b < 1:
-    raise ValueError(f"sample: batch_size must be a static int >= 1, got {b!r}.")
+  if isinstance(b, jax.core.Tracer):
+    raise ValueError(f"sample: batch_size is a traced value ({b!r}); it sets the shape of the "
+                     "batch, so it must be a static Python int. Under jax.jit mark it static, "
+                     "e.g. jax.jit(f, static_argnames=('batch_size',)), or close over it.")
+  if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_BATCH_SIZE:
+    raise ValueError(f"sample: batch_size must be a static int in [1, {MAX_BATCH_SIZE}] (rows "
+                     f"are indexed with int32), got {b!r}.")
   if not replace and b > spec.capacity:
     raise ValueError(f"sample: batch_size {b} exceeds capacity {spec.capacity}; without "
                      "replacement a batch cannot hold more items than the table.")

@@ -112,8 +112,10 @@ class Batcher:
           self._inflight -= k
         if not isinstance(e, TimeoutError):
           raise
+        self._limiter_blocked = not k  # for close()'s messages
         if self._discard:  # the rate limiter blocks and close() asked to give up
           raise _Discarding() from None
+    self._limiter_blocked = False
     self._inserted += rem
     self._inflight -= rem
     self._batches += 1

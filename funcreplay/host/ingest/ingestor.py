@@ -21,8 +21,13 @@ Guarantees:
   item accepted before it is in the table; an exception in the insert thread
   is re-raised (as ``IngestorError``, chained) by the next ``put`` /
   ``put_batch`` / ``flush`` and by ``close()``, and every accepted item that
-  could not be inserted is counted in ``stats().failed``. Only an explicit
-  ``close(discard_pending=True)`` discards items, and counts them.
+  could not be inserted is counted in ``stats().failed``. Only
+  ``close(discard_pending=True)`` discards items, and counts them: called
+  explicitly, or by leaving a ``with`` block on an exception once the table
+  has taken nothing for ``EXIT_STALL_S`` (the exception notes how many).
+* **No silent hang:** ``close()`` raises ``TimeoutError`` naming the rate
+  limiter once nothing has gone in for ``CLOSE_STALL_S`` (60 s), and logs a
+  warning every ``CLOSE_WARN_EVERY_S`` (10 s) while it waits.
 * **Latency:** a partial batch is inserted once its first item has waited
   about ``max_wait_s`` (0: insert whatever is queued as soon as the thread is
   free; larger values give fewer, fuller inserts).
@@ -42,9 +47,10 @@ Python work; only the table's XLA insert runs in parallel with it.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
-from typing import Optional
+from typing import Optional, Union
 
 from funcreplay.host import validation
 from funcreplay.host.ingest.batcher import Batcher
@@ -53,6 +59,18 @@ from funcreplay.host.ingest.queue import NEVER as _NEVER
 from funcreplay.host.ingest.queue import ProducerQueue
 from funcreplay.host.ingest.worker import InsertWorker
 from funcreplay.host.itemcheck import ItemChecker
+
+LOG = logging.getLogger("funcreplay.ingest")
+# close()'s default bound: give up once no pending item has gone in for this
+# long. Long enough for any healthy drain (a table inserts thousands of items
+# per second), short enough that a blocked rate limiter is reported, not hung on.
+CLOSE_STALL_S = 60.0
+# Leaving a with block on an exception: stop waiting for pending items (and
+# discard them) once none has gone in for this long. Short: the program is
+# unwinding, and a healthy table takes a batch in milliseconds.
+EXIT_STALL_S = 1.0
+# How often a waiting close() logs that it is still waiting, and on what.
+CLOSE_WARN_EVERY_S = 10.0
 
 
 class Ingestor(ProducerQueue, InsertWorker, Batcher):
@@ -80,8 +98,14 @@ class Ingestor(ProducerQueue, InsertWorker, Batcher):
       asynchronously dispatched inserts cannot pile up without bound.
 
   Use as a context manager (``with table.ingestor() as ing:``); leaving the
-  block flushes and closes it (an ingestor never closed keeps its daemon
-  thread, and the table, alive). Thread-safe: ``put`` / ``put_batch`` /
+  block closes it: normally ``close()``, which waits for the pending items
+  but raises ``TimeoutError`` (naming the rate limiter) once none has gone in
+  for ``CLOSE_STALL_S`` = 60 s, e.g. when a ``SampleToInsertRatio`` limiter
+  blocks inserts because the learner stopped sampling; on an exception, the
+  pending items go in while the table takes them, the rest is discarded once
+  none has gone in for ``EXIT_STALL_S`` = 1 s, and the exception notes how
+  many were discarded. An ingestor never closed keeps its daemon thread, and the
+  table, alive. Thread-safe: ``put`` / ``put_batch`` /
   ``flush`` / ``stats`` from any thread. Relies on the GIL (CPython's
   default build): the lock-free ``put`` path is not safe on free-threaded
   builds.
@@ -163,15 +187,24 @@ class Ingestor(ProducerQueue, InsertWorker, Batcher):
     self._cur: Optional[list] = None  # the batch being inserted (its markers, on failure)
     self._hw = 0
     self._blocked_puts = 0
+    self._limiter_blocked = False  # the last insert attempt timed out on the rate limiter
     self._thread = threading.Thread(target=self._run, name=name, daemon=True)
     self._thread.start()
 
   # -- lifecycle ------------------------------------------------------------------------
-  def close(self, timeout: Optional[float] = None, *, discard_pending: bool = False) -> None:
+  def close(self, timeout: Union[None, float, str] = "stall", *,
+            discard_pending: bool = False) -> None:
     """Insert everything pending, stop the thread; idempotent.
 
     Args:
-      timeout: seconds to wait for the pending items (None: forever). On
+      timeout: how long to wait for the pending items. The default,
+        ``"stall"``, waits as long as items keep going in and raises
+        ``TimeoutError`` once none has for ``CLOSE_STALL_S`` (60) seconds: a
+        rate limiter that blocks inserts (a ``SampleToInsertRatio`` after the
+        learner stopped sampling) never hangs ``close`` silently. A number:
+        seconds in all; None: forever. While it waits, ``close`` logs a
+        warning (logger ``funcreplay.ingest``) every ``CLOSE_WARN_EVERY_S``
+        (10) seconds naming the limiter and the pending count. On
         ``TimeoutError`` the ingestor keeps closing: call ``close`` again to
         keep waiting, or with ``discard_pending=True``.
       discard_pending: drop the items not yet inserted (counted in
@@ -179,7 +212,8 @@ class Ingestor(ProducerQueue, InsertWorker, Batcher):
 
     Raises ``IngestorError`` (once) if the insert thread failed.
     """
-    timeout = validation.check_timeout(timeout)
+    if timeout != "stall":
+      timeout = validation.check_timeout(timeout)
     with self._lock:
       self._set_stopped()
       self._closing = True
@@ -188,36 +222,86 @@ class Ingestor(ProducerQueue, InsertWorker, Batcher):
       self._wake_cv.notify_all()
       self._room_cv.notify_all()
     if not self._joined:
-      self._thread.join(timeout)
-      if self._thread.is_alive():
-        raise TimeoutError(
-            f"Ingestor.close timed out after {timeout} s with {self.pending} items not yet "
-            "inserted (the table's rate limiter may be blocking inserts); call close() again to "
-            "keep waiting, or close(discard_pending=True) to drop them.")
+      self._wait_for_thread(timeout, CLOSE_STALL_S)
       self._joined = True
     if self._error is not None and not self._error_reported_by_close:
       self._error_reported_by_close = True
       raise self._wrapped_error("close")
+
+  def _wait_for_thread(self, timeout: Union[None, float, str], stall_s: float) -> None:
+    """Join the insert thread: warn every ``CLOSE_WARN_EVERY_S``; raise ``TimeoutError``
+    after ``timeout`` seconds, or (``"stall"``) after ``stall_s`` without progress."""
+    stall = timeout == "stall"
+    t0 = last_progress = time.monotonic()
+    done = self._inserted + self._discarded + self._failed
+    next_warn = t0 + CLOSE_WARN_EVERY_S
+
+    def deadline():
+      if stall:
+        return last_progress + stall_s
+      return None if timeout is None else t0 + timeout
+
+    while True:
+      end = next_warn if deadline() is None else min(next_warn, deadline())
+      self._thread.join(max(0.0, end - time.monotonic()))
+      if not self._thread.is_alive():
+        return
+      now = time.monotonic()
+      d = self._inserted + self._discarded + self._failed
+      if d != done:  # items went in (or were dropped): not stalled
+        done, last_progress = d, now
+      if deadline() is not None and now >= deadline():
+        how = (f"no item went in for {stall_s} s" if stall
+               else f"timed out after {timeout} s")
+        raise TimeoutError(
+            f"Ingestor.close: {how} with {self.pending} items not yet inserted: the table's "
+            f"rate limiter {self._limiter()} {self._blocking()} inserts (they go in as the "
+            "table is sampled). Sample from the table and call close() again to keep "
+            "waiting, close(timeout=None) to wait forever, or close(discard_pending=True) to "
+            "drop them.")
+      if now >= next_warn:
+        LOG.warning("Ingestor.close: still waiting after %.0f s for %d pending items; the "
+                    "table's rate limiter %s %s inserts. Sample from the table, or "
+                    "close(discard_pending=True) to drop them.", now - t0, self.pending,
+                    self._limiter(), self._blocking())
+        next_warn = now + CLOSE_WARN_EVERY_S
+
+  def _limiter(self) -> str:
+    return validation.describe_limiter(self._spec)
+
+  def _blocking(self) -> str:
+    return "is blocking" if self._limiter_blocked else "may be blocking"
 
   def __enter__(self) -> "Ingestor":
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:
     if exc_type is None:
-      self.close()
+      self.close()  # bounded: see close()
       return
-    # The body failed: still insert what was accepted, but never hang the
-    # unwinding on a blocked table, and never mask the body's exception.
+    # The body failed: insert what was accepted while the table takes it, but
+    # never hang the unwinding on a blocked table and never mask the body's
+    # exception: once nothing has gone in for EXIT_STALL_S, the rest is
+    # discarded and the propagating exception says how many items were dropped.
     try:
       try:
-        self.close(timeout=10.0)
+        with self._lock:
+          self._set_stopped()
+          self._closing = True
+          self._wake_cv.notify_all()
+        self._wait_for_thread("stall", EXIT_STALL_S)
       except TimeoutError:
-        self.close(discard_pending=True)
+        pass
+      self.close(discard_pending=True)
     except Exception as e:  # noqa: BLE001 (attached to the propagating exception)
       if exc is not None and hasattr(exc, "add_note"):
         exc.add_note(f"(while closing the Ingestor: {type(e).__name__}: {e})")
-    if self._discarded and exc is not None and hasattr(exc, "add_note"):
-      exc.add_note(f"(the Ingestor discarded {self._discarded} accepted items on exit)")
+    if self._discarded:
+      msg = (f"the Ingestor discarded {self._discarded} accepted items on exit (the with "
+             f"block raised {exc_type.__name__})")
+      LOG.warning(msg)
+      if exc is not None and hasattr(exc, "add_note"):
+        exc.add_note(f"({msg})")
 
   @property
   def table(self):

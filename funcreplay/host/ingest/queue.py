@@ -50,7 +50,8 @@ class ProducerQueue:
     Args:
       item: a pytree matching the table's signature, each leaf exactly the
         signature's shape and dtype (numpy / JAX arrays, numpy scalars;
-        Python scalars are converted).
+        Python scalars are converted only when lossless: ``1.5`` or ``True``
+        for an int32 leaf is a ``TypeError``, as in ``Table.insert``).
       version: policy version (int32; default: the table's version when the
         item is inserted).
       priority: finite float >= 0 (default: the table's default priority).
@@ -90,7 +91,7 @@ class ProducerQueue:
     """
     if self._stop:
       self._raise_stopped("put_batch")
-    leaves, b = self._checker.batch(items)
+    leaves, b = self._checker.batch(items, "Ingestor.put_batch")
     if b == 0:
       raise ValueError("Ingestor.put_batch: empty batch (B = 0); pass at least one item.")
     vers = [None] * b if version is None else \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -18,6 +19,22 @@ from funcreplay.core.packing import PackedSample
 from funcreplay.interop.torch.batches import TorchBatch, importance_weights, sample_to_torch
 from funcreplay.interop.torch.dlpack import OnCopy, check_on_copy
 from funcreplay.interop.torch.packed import host_batches, packed_batches, unsupported
+
+
+def _check_device(device) -> torch.device:
+  """``torch.device(device)``, or a clear error naming the bad device."""
+  try:
+    dev = torch.device(device)
+  except (RuntimeError, TypeError, ValueError) as e:
+    raise ValueError(f"TorchSampler: device {device!r} is not a torch device ({e}); pass "
+                     "'cpu', 'cuda', 'cuda:0', a torch.device, or None (the table's "
+                     "device).") from None
+  if dev.type == "cuda" and not torch.cuda.is_available():
+    raise ValueError(f"TorchSampler: device {device!r} needs CUDA, which this torch build / "
+                     "machine does not have (torch.cuda.is_available() is False); pass "
+                     "device='cpu'.")
+  return dev
+
 
 # --- the iterator ------------------------------------------------------------------------
 
@@ -129,7 +146,8 @@ class TorchSampler(torch_data.IterableDataset):
     batch_size: B rows per batch.
     device: torch device of the batches ("cpu": zero copy from a CPU table;
       "cuda" from a CPU table: pinned, non-blocking copies on the prefetch
-      thread; None: wherever the table's arrays live, zero copy).
+      thread; None: wherever the table's arrays live, zero copy). A string
+      torch does not know, or "cuda" without CUDA, is a ``ValueError`` here.
     version_fn: called before every sample; returns the learner's current
       policy version (staleness mask + stats). None: the table's version.
     where: passed to ``Table.sample`` (slot mask or metadata filter).
@@ -137,7 +155,9 @@ class TorchSampler(torch_data.IterableDataset):
       synchronously in ``next``).
     timeout: seconds to wait for one batch (None: forever) -> TimeoutError.
     beta: PER importance-weight exponent, a float or a function of the batch
-      index (annealing); None: no weights.
+      index (annealing); None: no weights. A function's result is checked
+      before each sample: NaN, inf, negative or non-numbers raise
+      ``ValueError`` and nothing is sampled.
     replace, min_valid: passed to ``Table.sample`` (``min_valid`` counts rows
       of the whole call).
     num_batches: stop after this many batches (None: never).
@@ -182,7 +202,7 @@ class TorchSampler(torch_data.IterableDataset):
     check_on_copy(on_copy)
     self.table = table
     self.batch_size = batch_size
-    self.device = None if device is None else torch.device(device)
+    self.device = None if device is None else _check_device(device)
     self.version_fn = version_fn
     self.where = where
     self.prefetch = prefetch
@@ -203,12 +223,31 @@ class TorchSampler(torch_data.IterableDataset):
 
   # -- sampling --------------------------------------------------------------------------
   def _beta(self, index: int) -> Optional[float]:
-    return self.beta(index) if callable(self.beta) else self.beta
+    """The exponent for batch ``index``; a callable's result is checked (finite, >= 0)."""
+    if not callable(self.beta):
+      return self.beta
+    b = self.beta(index)
+    try:
+      ok = b is not None and not isinstance(b, bool) and math.isfinite(b) and b >= 0
+    except TypeError:
+      ok = False
+    if not ok:
+      raise ValueError(f"TorchSampler: beta({index}) returned {b!r}; the importance-weight "
+                       "exponent must be a finite number >= 0. Fix the beta schedule (nothing "
+                       "was sampled for this batch).")
+    return float(b)
 
   def _next_batch(self, stop: Optional[threading.Event], pending: list) -> Optional[TorchBatch]:
     """The next batch (from ``pending``, or a new sample); None if ``stop`` was set meanwhile."""
     if pending:
       return pending.pop(0)
+    k = self.batches_per_call
+    # The betas of the batches this call hands out are checked before sampling,
+    # so a bad schedule leaves the table as it was (indexes as reserved below,
+    # unless another iterator of this sampler samples in between).
+    with self._lock:
+      first = self._sampled
+    betas = [self._beta(first + i) for i in range(k)]
     deadline = None if self.timeout is None else time.monotonic() + self.timeout
     while True:
       # Wait in short slices so that close() is noticed promptly.
@@ -227,10 +266,11 @@ class TorchSampler(torch_data.IterableDataset):
           raise
         if stop is not None and stop.is_set():
           return None
-    k = self.batches_per_call
     with self._lock:
       index = self._sampled
       self._sampled += k
+    if index != first:  # raced with another iterator: the schedule at the real indexes
+      betas = [self._beta(index + i) for i in range(k)]
     on_dev = self.device is None or self.device.type == "cpu"
     if self._in_place:  # our own buffer, of the layout's size: no checks needed
       parts = host_batches(smp.buffer, smp.layout, k, self.device, not on_dev)
@@ -246,8 +286,7 @@ class TorchSampler(torch_data.IterableDataset):
     if not on_dev and self.device.type == "cuda" and stop is not None:
       # The copies were issued on this thread's stream; finish them before handing over.
       torch.cuda.current_stream(self.device).synchronize()
-    for i, part in enumerate(parts):
-      beta = self._beta(index + i)
+    for part, beta in zip(parts, betas, strict=True):
       if beta is not None:
         w = importance_weights(part.info.probability, part.valid, part.num_eligible, beta)
         part = dataclasses.replace(part, weights=w)
