@@ -14,6 +14,11 @@ Lifo           newest eligible items first                 the newest item
 MinHeap        lowest priority first (ties: oldest first)  lowest priority
 MaxHeap        highest priority first (ties: oldest first) highest priority
 =============  ==========================================  =======================
+
+A remover runs when a full table receives an item, and (as in Reverb) the
+incoming item is a candidate too: ``Lifo`` evicts it at once, a heap remover
+when its priority is the lowest / highest, ``Uniform`` with probability
+``1 / (C + 1)``.
 """
 
 from __future__ import annotations

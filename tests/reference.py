@@ -54,6 +54,24 @@ class RefTable:
       return (-self.prio[s], -self.age(s))
     raise TypeError(selector)
 
+  def age_of_key(self, key):
+    return (self.next_key - key) % U32
+
+  def remover_prefers_new(self, priority, age_key, victim):
+    """Would the remover pick the item being inserted (priority, ``(age,)``) over
+    ``victim``, the best existing item? Smaller order keys are picked first."""
+    remover = self.spec.remover
+    if isinstance(remover, fr.Fifo):
+      return False
+    if isinstance(remover, fr.Lifo):
+      return True
+    (age,) = age_key
+    if isinstance(remover, fr.MinHeap):
+      return (priority, -age) < self.order_key(remover, victim)
+    if isinstance(remover, fr.MaxHeap):
+      return (-priority, -age) < self.order_key(remover, victim)
+    raise TypeError(f"the reference cannot draw a {remover!r} victim")
+
   def victim(self):
     occ = [s for s in range(self.spec.capacity) if self.occ[s]]
     return min(occ, key=lambda s: self.order_key(self.spec.remover, s))
@@ -95,12 +113,20 @@ class RefTable:
       elif rank < n_free:
         s = free[rank]
       else:
-        s = self.victim()
-        self._remove(s, "evicted_capacity")
+        s = None
       p = default if priorities is None else priorities[i]
       if not math.isfinite(p) or p < 0:
         self.counters["invalid_priorities"] += 1
         p = 0.0
+      if s is None:
+        # Full: Reverb inserts first, then the remover picks a victim among the
+        # C + 1 items, the new one included (it may go at once).
+        s = self.victim()
+        new_key = (self.age_of_key((base + rank) % U32),)
+        if self.remover_prefers_new(p, new_key, s):
+          self.counters["evicted_capacity"] += 1
+          continue
+        self._remove(s, "evicted_capacity")
       self.occ[s], self.key[s], self.version[s] = True, (base + rank) % U32, versions[i]
       self.times[s], self.prio[s], self.payload[s] = 0, p, payloads[i]
       for m in self.meta:
