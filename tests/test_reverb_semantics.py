@@ -6,6 +6,8 @@ measured against dm-reverb 0.14.0 on the same operation sequences (issue 23).
 
 from __future__ import annotations
 
+import fractions
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,3 +104,60 @@ def test_uniform_remover_draws_the_victim_among_capacity_plus_one():
   counts = np.bincount(victims, minlength=c + 1)
   assert counts[c] > 0, "the new item is never the victim"
   assert sstats.chisquare(counts).pvalue > P_MIN, counts
+
+
+# --- 3. SampleToInsertRatio keeps the exact ratio ------------------------------
+
+@pytest.mark.parametrize("spi,ratio", [(0.3333, (3333, 10000)), (1.0005, (2001, 2000)),
+                                       (0.0004, (1, 2500)), (8.0, (8, 1)),
+                                       (fractions.Fraction(1, 3), (1, 3))])
+def test_sample_to_insert_ratio_is_exact(spi, ratio):
+  assert fr.SampleToInsertRatio(spi, 1, (-10.0, 10.0)).ratio == ratio
+
+
+def test_a_tiny_ratio_still_earns_samples():
+  """spi = 0.0004: one sample per 2500 inserts (rounded to 0 it would starve forever)."""
+  spec = fr.TableSpec(100, ITEM, rate_limiter=fr.SampleToInsertRatio(0.0004, 1, (-1.0, 1.0)))
+  f = jitted(spec)
+  can_sample = jax.jit(f["table"].can_sample)
+  state = f["table"].init()
+  for n in range(25):   # 2500 inserts
+    if n == 24:
+      # 2400 inserts, one sample: 0.96 - 1 >= -1, a second would need 1.0 - 2 >= -1.
+      state, b = f["sample"](state, jax.random.PRNGKey(n), batch_size=1)
+      assert bool(b.valid[0])
+      assert not bool(can_sample(state))
+    state = f["insert"](state, items_from_ids(np.arange(100)))
+  assert bool(can_sample(state))   # 2500 inserts: 1 - 2 >= -1
+
+
+def test_host_table_samples_at_a_tiny_ratio():
+  spec = fr.TableSpec(100, ITEM, rate_limiter=fr.SampleToInsertRatio(0.0004, 1, (-1.0, 1.0)))
+  table = fr.Table(spec)
+  for _ in range(24):
+    table.insert(items_from_ids(np.arange(100)))
+  table.sample(1, timeout=0)
+  with pytest.raises(TimeoutError):
+    table.sample(1, timeout=0)
+  table.insert(items_from_ids(np.arange(100)))
+  assert bool(table.sample(1, timeout=0).valid[0])
+
+
+def test_unrepresentable_ratio_is_refused():
+  with pytest.raises(ValueError, match="Fraction"):
+    fr.SampleToInsertRatio(1 / 3, 1, (-10.0, 10.0))
+
+
+def test_window_that_deadlocks_is_refused():
+  with pytest.raises(ValueError, match="min_diff"):
+    fr.RateLimiter(1.0, 10, 20.0, 100.0)   # 20 > spi * min_size = 10
+  fr.RateLimiter(1.0, 10, 10.0, 100.0)
+
+
+def test_window_width_rule():
+  """Reverb's rule: max_diff - min_diff >= 2 * max(1, spi)."""
+  with pytest.raises(ValueError, match="window"):
+    fr.SampleToInsertRatio(3.0, 1, (0.0, 5.9))
+  fr.SampleToInsertRatio(3.0, 1, (0.0, 6.0))
+  with pytest.raises(ValueError, match="window"):
+    fr.SampleToInsertRatio(0.5, 1, 0.9)   # width 1.8 < 2
