@@ -141,7 +141,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     priority is the worst (ties: the older item goes), ``Uniform`` with
     probability ``1 / (C + 1)``; such a row counts as inserted and evicted.
     The ``Fifo`` remover is a ring: the oldest-*written* slot is overwritten,
-    whether its item is still present or a hole left by a delete. Cost O(B log C) with a
+    whether its item is still present or a hole left by a delete
+    (``Fifo(fill_holes=True)``: free slots first, then the oldest item). Cost O(B log C) with a
     donated state; O(B) data movement.
   """
   b = _batch_size(spec, items)
@@ -199,7 +200,7 @@ def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_r
   state = state.replace(version_hist=hist, version_bounds=bounds)
   columns = dict(key=keys, version=versions, priority=prios, metadata=meta_rows)
 
-  if isinstance(spec.remover, sel.Fifo):
+  if sel.is_ring(spec.remover):
     slots = (state.write_pos + rank) % cap
     victims = mask & take(state.occupied, jnp.where(mask, slots, 0))
     state = _remove(spec, state, slots, victims, "evicted_capacity")

@@ -379,7 +379,7 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
       tree, touched = w.tree, None
     else:
       window = None
-      if isinstance(spec.sampler, sel.Uniform) and isinstance(spec.remover, sel.Fifo):
+      if isinstance(spec.sampler, sel.Uniform) and sel.is_ring(spec.remover):
         start, filled = ring_window(spec, state)
         window = (start, filled, size0 == filled)
       picked, tree, touched = _draw_weighted(spec, state, rng, b, replace, eligible_fn,

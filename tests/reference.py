@@ -106,7 +106,9 @@ class RefTable:
     n_free = self.spec.capacity - self.size
     free = [s for s in range(self.spec.capacity) if not self.occ[s]]
     for rank, i in enumerate(rows):
-      if isinstance(self.spec.remover, fr.Fifo):
+      if fr.selectors.is_ring(self.spec.remover):
+        # The Fifo ring writes the next slot, evicting what it holds (holes are
+        # not filled first); Fifo(fill_holes=True) takes the general path.
         s = (self.write_pos + rank) % self.spec.capacity
         if self.occ[s]:
           self._remove(s, "evicted_capacity")
@@ -131,7 +133,7 @@ class RefTable:
       self.times[s], self.prio[s], self.payload[s] = 0, p, payloads[i]
       for m in self.meta:
         self.meta[m][s] = (metadata or {}).get(m, [0] * len(mask))[i]
-    if isinstance(self.spec.remover, fr.Fifo):
+    if fr.selectors.is_ring(self.spec.remover):
       self.write_pos = (self.write_pos + n) % self.spec.capacity
     self.counters["inserts"] += n
     applied = [default if priorities is None else priorities[i] for i in rows]

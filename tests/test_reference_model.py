@@ -28,6 +28,7 @@ COMBOS = [
     (fr.Lifo(), fr.MaxHeap()),
     (fr.MinHeap(), fr.Fifo()),
     (fr.MaxHeap(), fr.MinHeap()),
+    (fr.Prioritized(0.7), fr.Fifo(fill_holes=True)),
 ]
 
 

@@ -161,3 +161,28 @@ def test_window_width_rule():
   fr.SampleToInsertRatio(3.0, 1, (0.0, 6.0))
   with pytest.raises(ValueError, match="window"):
     fr.SampleToInsertRatio(0.5, 1, 0.9)   # width 1.8 < 2
+
+
+# --- 2. Fifo remover with holes ---------------------------------------------------
+
+def _fifo_with_a_hole(remover):
+  spec = fr.TableSpec(3, ITEM, remover=remover)
+  f = jitted(spec)
+  state = f["insert"](f["table"].init(), items_from_ids([0, 1, 2]))
+  state = f["delete"](state, np.array([1], np.int32), state.key[1:2])
+  return f, f["insert"](state, items_from_ids([3]))
+
+
+def test_fifo_fill_holes_uses_free_slots_first():
+  """Reverb's FIFO remover: capacity 3, insert 0, 1, 2, delete 1, insert 3 -> {0, 2, 3}."""
+  f, state = _fifo_with_a_hole(fr.Fifo(fill_holes=True))
+  assert _ids(state) == {0, 2, 3} and int(state.size) == 3
+  state = f["insert"](state, items_from_ids([4, 5]))   # full: the oldest (0, then 2) go
+  assert _ids(state) == {3, 4, 5}
+  assert counters_dict(state)["evicted_capacity"] == 2
+
+
+def test_fifo_ring_overwrites_the_oldest_written_slot():
+  """The default ring (documented in the Fifo docstring and README): {2, 3}."""
+  _, state = _fifo_with_a_hole(fr.Fifo())
+  assert _ids(state) == {2, 3} and int(state.size) == 2

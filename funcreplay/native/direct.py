@@ -111,7 +111,7 @@ class DirectSampler:
     base[_ABI] = _ABI_VERSION
     base[_CAPACITY] = spec.capacity
     base[_MAX_TIMES] = int(spec.max_times_sampled)
-    base[_RING] = int(isinstance(spec.sampler, sel.Uniform) and isinstance(spec.remover, sel.Fifo))
+    base[_RING] = int(isinstance(spec.sampler, sel.Uniform) and sel.is_ring(spec.remover))
     base[_N_DATA] = n_data
     base[_MAX_STALENESS] = -1 if spec.max_staleness is None else spec.max_staleness
     base[_MIN_SIZE] = lim.min_size_to_sample

@@ -86,7 +86,7 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
   res = call(*operands, batch_size=b, capacity=c, replace=bool(replace),
              max_times_sampled=int(spec.max_times_sampled), has_version=has_version,
              has_where=where is not None,
-             ring=isinstance(spec.sampler, sel.Uniform) and isinstance(spec.remover, sel.Fifo),
+             ring=isinstance(spec.sampler, sel.Uniform) and sel.is_ring(spec.remover),
              packed=offsets, ledger=native.ledger_attr(spec))
 
   n_state = len(state_ops)
