@@ -423,19 +423,30 @@ def masks_active(spec: TableSpec, version, where) -> bool:
 def count(spec: TableSpec, state: TableState, where=None, version=None, size=None):
   """Number of eligible items (int32[]).
 
-  O(1) without masks; with only the staleness mask, O(1) or O(V) from the
-  version index in the steady state (see ``funcreplay.staleness``); O(C)
-  with ``where`` or when the index cannot answer. ``size``: ``state.size``
-  if the caller already read it (``sample`` reads it once, see ``inplace``).
+  With a ``Prioritized`` sampler only items of positive sampling weight
+  (priority > 0) are eligible. O(1) without masks; with only the staleness
+  mask, O(1) or O(V) from the version index in the steady state (see
+  ``funcreplay.staleness``); O(C) with ``where``, with any mask under a
+  prioritized sampler, or when the index cannot answer. ``size``:
+  ``state.size`` if the caller already read it (``sample`` reads it once,
+  see ``inplace``).
   """
   size = state.size if size is None else size
   if not masks_active(spec, version, where):
-    return size
+    return size - indexes.zero_weight_count(spec, state)
+  if spec.prioritized:
+    return count_positive(spec, state, eligible_mask(spec, state, version, where))
   full = lambda: jnp.sum(eligible_mask(spec, state, version, where), dtype=jnp.int32)  # noqa: E731
   if where is not None:
     return full()
   return staleness.count_fresh(spec, state.version_hist, state.version_bounds, size,
                                staleness.threshold(spec, version), full)
+
+
+def count_positive(spec: TableSpec, state: TableState, mask):
+  """int32[]: slots in ``mask`` (bool[C]) of positive sampling weight. O(C)."""
+  w = indexes.sample_weight(spec, state.occupied, state.priority)
+  return jnp.sum(mask & (w > 0), dtype=jnp.int32)
 
 
 def can_insert(spec: TableSpec, state: TableState, num_items=1):

@@ -192,7 +192,7 @@ def restore_zeroed(spec: TableSpec, state: TableState, zeroed, tree_field: str) 
   skipped at run time, when it zeroed none)."""
   def restore(tree):
     st = indexes.refresh(spec, state.replace(**{tree_field: tree}), jnp.maximum(zeroed, 0),
-                         zeroed >= 0, which=(tree_field,))
+                         zeroed >= 0, which=(tree_field,), count_zero=False)
     return getattr(st, tree_field)
 
   tree = getattr(state, tree_field)
@@ -371,8 +371,9 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
     # Totals are read before the draw, which updates the tree in place. XLA
     # would re-fuse these cheap reads into each later use, each an unordered
     # read of the tree (a copy); ``once`` makes them single reads.
-    size0, unmasked_total = inplace.once(
-        (state.size, state.weight_tree[1] if spec.prioritized else jnp.float32(0)))
+    size0, unmasked_total, zero0 = inplace.once(
+        (state.size, state.weight_tree[1] if spec.prioritized else jnp.float32(0),
+         indexes.zero_weight_count(spec, state)))
     if stratified:
       w = _Weights(spec, state)
       picked = _draw_stratified(spec, state, rng, b)
@@ -393,9 +394,9 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
         mask = eligible_all()
         total = jnp.sum(jnp.where(mask, indexes.sample_weight(spec, state.occupied,
                                                               state.priority), 0.0))
-        num_eligible = jnp.sum(mask, dtype=jnp.int32)
+        num_eligible = ops.count_positive(spec, state, mask)
       else:
-        total, num_eligible = unmasked_total, size0
+        total, num_eligible = unmasked_total, size0 - zero0
       prob = w_item / jnp.maximum(total, 1e-30)
     else:
       num_eligible = ops.count(spec, state, where, ver, size=size0)
@@ -456,7 +457,9 @@ def _finish(spec, state, picked, prob, num_eligible, ver, replace):
     if replace:  # a slot can appear twice: count it once (without, rows are distinct)
       exhausted = ops.last_occurrence(safe, exhausted)
     state = ops._remove(spec, state, safe, exhausted, "evicted_reuse")  # noqa: SLF001
-    state = indexes.refresh(spec, state, safe, exhausted)
+    # Sampled items had a positive weight: the zero-weight count does not move
+    # (and leaves the draw zeroed would read as zero).
+    state = indexes.refresh(spec, state, safe, exhausted, count_zero=False)
   return state, Sample(data=data, valid=valid, info=info, num_eligible=num_eligible)
 
 

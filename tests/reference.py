@@ -85,6 +85,8 @@ class RefTable:
   def eligible(self, s, version=None, where=None):
     if not self.occ[s]:
       return False
+    if isinstance(self.spec.sampler, fr.Prioritized) and not self.prio[s] > 0:
+      return False  # zero-priority items are never sampled, so never eligible
     if version is not None and self.spec.max_staleness is not None:
       if version - self.version[s] > self.spec.max_staleness:
         return False

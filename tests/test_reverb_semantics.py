@@ -186,3 +186,50 @@ def test_fifo_ring_overwrites_the_oldest_written_slot():
   """The default ring (documented in the Fifo docstring and README): {2, 3}."""
   _, state = _fifo_with_a_hole(fr.Fifo())
   assert _ids(state) == {2, 3} and int(state.size) == 2
+
+
+# --- 4. zero-priority items are not eligible -------------------------------------
+
+def _zero_priority_table(max_times=0):
+  spec = fr.TableSpec(8, ITEM, sampler=fr.Prioritized(0.6), max_times_sampled=max_times)
+  f = jitted(spec)
+  state = f["insert"](f["table"].init(), items_from_ids([0, 1, 2]),
+                      priority=np.array([0.0, 2.0, 0.0], np.float32))
+  return spec, f, state
+
+
+def test_zero_priority_items_are_not_counted():
+  _, f, state = _zero_priority_table()
+  assert int(jax.jit(f["table"].count)(state)) == 1
+  assert not bool(jax.jit(f["table"].can_sample)(state, 2))
+  state, b = f["sample"](state, jax.random.PRNGKey(0), batch_size=2)
+  assert int(b.num_eligible) == 1 and np.asarray(b.valid).tolist() == [True, False]
+  # N = 1 eligible item with probability 1: its weight (N * P)**-beta is 1.
+  np.testing.assert_allclose(np.asarray(fr.importance_weights(b, 0.4))[0], 1.0)
+  # Priorities move items in and out of eligibility.
+  state = f["update"](state, np.array([0, 1], np.int32), state.key[:2],
+                      np.array([3.0, 0.0], np.float32))
+  assert int(jax.jit(f["table"].count)(state)) == 1
+  state = f["update"](state, np.array([2], np.int32), state.key[2:3], np.array([1.0], np.float32))
+  assert int(jax.jit(f["table"].count)(state)) == 2
+  state = f["delete"](state, np.array([0], np.int32), state.key[:1])
+  assert int(jax.jit(f["table"].count)(state)) == 1
+
+
+def test_all_zero_priorities_sample_nothing():
+  _, f, state = _zero_priority_table()
+  state = f["update"](state, np.array([1], np.int32), state.key[1:2], np.array([0.0], np.float32))
+  assert int(jax.jit(f["table"].count)(state)) == 0
+  state, b = f["sample"](state, jax.random.PRNGKey(0), batch_size=2)
+  assert not np.asarray(b.valid).any() and int(b.num_eligible) == 0
+
+
+def test_host_table_blocks_on_zero_priority_items():
+  spec = fr.TableSpec(8, ITEM, sampler=fr.Prioritized(0.6))
+  table = fr.Table(spec)
+  table.insert(items_from_ids([0, 1, 2]), priority=np.array([0.0, 2.0, 0.0], np.float32))
+  assert table.count() == 1
+  with pytest.raises(TimeoutError):
+    table.sample(2, timeout=0)
+  b = table.sample(2, timeout=0, min_valid=1)
+  assert np.asarray(b.valid).tolist() == [True, False] and int(b.num_eligible) == 1

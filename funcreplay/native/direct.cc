@@ -176,7 +176,8 @@ extern "C" int funcreplay_direct_sample(const int64_t* cfg, void* const* ptrs, i
   const int32_t size = job.tree[1];
   const int32_t ver = static_cast<int32_t>(cfg[kVersion]);
   int32_t thr = std::numeric_limits<int32_t>::min();
-  int32_t cnt = size;
+  // Zero-weight items are not eligible (occ_tree[0], indexes.zero_weight_count).
+  int32_t cnt = job.wtree != nullptr ? size - job.tree[0] : size;
   if (cfg[kMaxStaleness] >= 0) {  // staleness.threshold, then ops.count
     const int32_t ms = static_cast<int32_t>(cfg[kMaxStaleness]);
     thr = std::max(ver, std::numeric_limits<int32_t>::min() + ms) - ms;
@@ -250,6 +251,7 @@ extern "C" int funcreplay_direct_update_priorities(const int64_t* cfg, void* con
     job.weights = weights.data();
     job.wtree = static_cast<float*>(ptrs[kPWeightTree]);
     job.p = cfg[kUTreeNodes] / 2;
+    job.zero_count = static_cast<int32_t*>(ptrs[kPOccTree]);
   }
   RunUpdatePriorities(job);
   return 0;

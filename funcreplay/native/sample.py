@@ -54,9 +54,9 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
       mask = ops.eligible_mask(spec, state, ver, where)
       total = jnp.sum(jnp.where(mask, indexes.sample_weight(spec, state.occupied,
                                                             state.priority), 0.0))
-      num_eligible = jnp.sum(mask, dtype=jnp.int32)
+      num_eligible = ops.count_positive(spec, state, mask)
     else:
-      total, num_eligible = state.weight_tree[1], state.size
+      total, num_eligible = state.weight_tree[1], ops.count(spec, state)
   else:
     total, num_eligible = jnp.float32(0), ops.count(spec, state, where, ver)
   params = jnp.stack([jnp.asarray(ver if has_version else 0, jnp.int32), thresh,
