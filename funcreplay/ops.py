@@ -403,8 +403,11 @@ def evict_stale(spec: TableSpec, state: TableState, version) -> TableState:
 # --- queries ------------------------------------------------------------------
 
 def eligible_mask(spec: TableSpec, state: TableState, version=None, where=None):
-  """bool[C]: items a sample at ``version`` restricted to ``where`` may return."""
+  """bool[C]: items a sample at ``version`` restricted to ``where`` may return
+  (under a ``Prioritized`` sampler, only items of positive sampling weight)."""
   ok = state.occupied
+  if spec.prioritized:
+    ok = indexes.sample_weight(spec, ok, state.priority) > 0
   if version is not None and spec.max_staleness is not None:
     ok = ok & ~stale_mask(spec, state, version)
   if where is not None:
@@ -434,19 +437,13 @@ def count(spec: TableSpec, state: TableState, where=None, version=None, size=Non
   size = state.size if size is None else size
   if not masks_active(spec, version, where):
     return size - indexes.zero_weight_count(spec, state)
-  if spec.prioritized:
-    return count_positive(spec, state, eligible_mask(spec, state, version, where))
+  if spec.prioritized:  # the version index does not know the weights
+    return jnp.sum(eligible_mask(spec, state, version, where), dtype=jnp.int32)
   full = lambda: jnp.sum(eligible_mask(spec, state, version, where), dtype=jnp.int32)  # noqa: E731
   if where is not None:
     return full()
   return staleness.count_fresh(spec, state.version_hist, state.version_bounds, size,
                                staleness.threshold(spec, version), full)
-
-
-def count_positive(spec: TableSpec, state: TableState, mask):
-  """int32[]: slots in ``mask`` (bool[C]) of positive sampling weight. O(C)."""
-  w = indexes.sample_weight(spec, state.occupied, state.priority)
-  return jnp.sum(mask & (w > 0), dtype=jnp.int32)
 
 
 def can_insert(spec: TableSpec, state: TableState, num_items=1):

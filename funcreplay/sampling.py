@@ -394,7 +394,7 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
         mask = eligible_all()
         total = jnp.sum(jnp.where(mask, indexes.sample_weight(spec, state.occupied,
                                                               state.priority), 0.0))
-        num_eligible = ops.count_positive(spec, state, mask)
+        num_eligible = jnp.sum(mask, dtype=jnp.int32)
       else:
         total, num_eligible = unmasked_total, size0 - zero0
       prob = w_item / jnp.maximum(total, 1e-30)

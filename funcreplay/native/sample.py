@@ -54,7 +54,7 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
       mask = ops.eligible_mask(spec, state, ver, where)
       total = jnp.sum(jnp.where(mask, indexes.sample_weight(spec, state.occupied,
                                                             state.priority), 0.0))
-      num_eligible = ops.count_positive(spec, state, mask)
+      num_eligible = jnp.sum(mask, dtype=jnp.int32)
     else:
       total, num_eligible = state.weight_tree[1], ops.count(spec, state)
   else:
