@@ -233,3 +233,17 @@ def test_host_table_blocks_on_zero_priority_items():
     table.sample(2, timeout=0)
   b = table.sample(2, timeout=0, min_valid=1)
   assert np.asarray(b.valid).tolist() == [True, False] and int(b.num_eligible) == 1
+
+
+# --- 5. heap ties after a priority update (not done yet) ---------------------------
+
+@pytest.mark.xfail(strict=True, reason="issue 23 item 5: heap ties use insertion order only; "
+                   "Reverb breaks them by the latest insert OR update (needs a touch stamp)")
+def test_min_heap_tie_prefers_the_least_recently_updated():
+  spec = fr.TableSpec(4, ITEM, sampler=fr.MinHeap())
+  f = jitted(spec)
+  state = f["insert"](f["table"].init(), items_from_ids([0, 1]),
+                      priority=np.array([1.0, 1.0], np.float32))
+  state = f["update"](state, np.array([0], np.int32), state.key[:1], np.array([1.0], np.float32))
+  _, b = f["sample"](state, jax.random.PRNGKey(0), batch_size=1)
+  assert int(b.data["x"][0]) == 1
