@@ -201,15 +201,17 @@ def _check_arrays(manifest, spec: TableSpec, num_shards: Optional[int], where: s
 
 
 def _zero_weight_count(spec: TableSpec, state):
-  """``state`` (numpy) with ``occ_tree[..., 0]`` set to its count of occupied items of
-  zero sampling weight (``indexes.zero_weight_count``), which checkpoints written
-  before that count existed hold as 0. Idempotent for newer ones."""
+  """``state`` (numpy) with ``occ_tree[..., 0]``, where it is 0, set to its count of
+  occupied items of zero sampling weight (``indexes.zero_weight_count``):
+  checkpoints written before that count existed hold 0 there. A stored count is
+  kept as it is (a restore gives back the saved bytes)."""
   if not spec.prioritized:
     return state
   occupied, weights = np.asarray(state.occupied), np.asarray(state.weight_tree)
   p, c = weights.shape[-1] // 2, occupied.shape[-1]
   tree = np.array(state.occ_tree, copy=True)
-  tree[..., 0] = np.sum(occupied & ~(weights[..., p:p + c] > 0), axis=-1)
+  count = np.sum(occupied & ~(weights[..., p:p + c] > 0), axis=-1)
+  tree[..., 0] = np.where(tree[..., 0] == 0, count, tree[..., 0])
   return state.replace(occ_tree=tree)
 
 
