@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 
 import funcreplay as fr
+from funcreplay.core import selectors as sel
 from tests.helpers import ITEM, assert_trees_consistent, counters_dict, items_from_ids, jitted
 from tests.reference import RefTable
 
@@ -28,6 +29,7 @@ COMBOS = [
     (fr.Lifo(), fr.MaxHeap()),
     (fr.MinHeap(), fr.Fifo()),
     (fr.MaxHeap(), fr.MinHeap()),
+    (fr.Prioritized(0.7), fr.Fifo(fill_holes=True)),
 ]
 
 
@@ -107,12 +109,12 @@ def test_matches_reference(sampler, remover, max_times, ops, seed):
       assert not valid[int(valid.sum()):].any(), "valid rows must come first"
       assert len(set(slots)) == len(slots), "a slot repeated within a batch"
       assert set(slots) <= set(sampleable), "sampled an ineligible slot"
-      assert int(batch.num_eligible) == len(elig)
+      assert int(batch.num_eligible) == len(sampleable)
       for row, s in zip(np.flatnonzero(valid), slots):
         assert int(batch.data["x"][row]) == ref.payload[s]
         assert int(batch.info.key[row]) == ref.key[s]
       assert (np.asarray(batch.data["x"])[~valid] == 0).all()
-      if fr.selectors.is_ordered(spec.sampler):
+      if sel.is_ordered(spec.sampler):
         assert slots == ref.expected_ordered_sample(B_SAMPLE, version, where)
       ref.apply_sample(slots, version)
     elif kind in ("delete", "update"):
