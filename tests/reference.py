@@ -13,6 +13,7 @@ import collections
 import math
 
 import funcreplay as fr
+from funcreplay.core import selectors as sel
 
 U32 = 2**32
 
@@ -54,6 +55,24 @@ class RefTable:
       return (-self.prio[s], -self.age(s))
     raise TypeError(selector)
 
+  def age_of_key(self, key):
+    return (self.next_key - key) % U32
+
+  def remover_prefers_new(self, priority, age_key, victim):
+    """Would the remover pick the item being inserted (priority, ``(age,)``) over
+    ``victim``, the best existing item? Smaller order keys are picked first."""
+    remover = self.spec.remover
+    if isinstance(remover, fr.Fifo):
+      return False
+    if isinstance(remover, fr.Lifo):
+      return True
+    (age,) = age_key
+    if isinstance(remover, fr.MinHeap):
+      return (priority, -age) < self.order_key(remover, victim)
+    if isinstance(remover, fr.MaxHeap):
+      return (-priority, -age) < self.order_key(remover, victim)
+    raise TypeError(f"the reference cannot draw a {remover!r} victim")
+
   def victim(self):
     occ = [s for s in range(self.spec.capacity) if self.occ[s]]
     return min(occ, key=lambda s: self.order_key(self.spec.remover, s))
@@ -67,6 +86,8 @@ class RefTable:
   def eligible(self, s, version=None, where=None):
     if not self.occ[s]:
       return False
+    if isinstance(self.spec.sampler, fr.Prioritized) and not self.prio[s] > 0:
+      return False  # zero-priority items are never sampled, so never eligible
     if version is not None and self.spec.max_staleness is not None:
       if version - self.version[s] > self.spec.max_staleness:
         return False
@@ -88,24 +109,34 @@ class RefTable:
     n_free = self.spec.capacity - self.size
     free = [s for s in range(self.spec.capacity) if not self.occ[s]]
     for rank, i in enumerate(rows):
-      if isinstance(self.spec.remover, fr.Fifo):
+      if sel.is_ring(self.spec.remover):
+        # The Fifo ring writes the next slot, evicting what it holds (holes are
+        # not filled first); Fifo(fill_holes=True) takes the general path.
         s = (self.write_pos + rank) % self.spec.capacity
         if self.occ[s]:
           self._remove(s, "evicted_capacity")
       elif rank < n_free:
         s = free[rank]
       else:
-        s = self.victim()
-        self._remove(s, "evicted_capacity")
+        s = None
       p = default if priorities is None else priorities[i]
       if not math.isfinite(p) or p < 0:
         self.counters["invalid_priorities"] += 1
         p = 0.0
+      if s is None:
+        # Full: Reverb inserts first, then the remover picks a victim among the
+        # C + 1 items, the new one included (it may go at once).
+        s = self.victim()
+        new_key = (self.age_of_key((base + rank) % U32),)
+        if self.remover_prefers_new(p, new_key, s):
+          self.counters["evicted_capacity"] += 1
+          continue
+        self._remove(s, "evicted_capacity")
       self.occ[s], self.key[s], self.version[s] = True, (base + rank) % U32, versions[i]
       self.times[s], self.prio[s], self.payload[s] = 0, p, payloads[i]
       for m in self.meta:
         self.meta[m][s] = (metadata or {}).get(m, [0] * len(mask))[i]
-    if isinstance(self.spec.remover, fr.Fifo):
+    if sel.is_ring(self.spec.remover):
       self.write_pos = (self.write_pos + n) % self.spec.capacity
     self.counters["inserts"] += n
     applied = [default if priorities is None else priorities[i] for i in rows]

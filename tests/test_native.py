@@ -143,7 +143,7 @@ def test_state_and_outputs_match_portable_bookkeeping(cap, filled, b, replace, m
                                     0.0))
           n_elig = jnp.sum(mask, dtype=jnp.int32)
         else:
-          total, n_elig = s.weight_tree[1], s.size
+          total, n_elig = s.weight_tree[1], ops.count(spec, s)  # zero weights not eligible
         w = indexes.sample_weight(spec, s.occupied[safe], s.priority[safe])
         prob = w / jnp.maximum(total, 1e-30)
       else:

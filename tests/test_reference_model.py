@@ -29,6 +29,7 @@ COMBOS = [
     (fr.Lifo(), fr.MaxHeap()),
     (fr.MinHeap(), fr.Fifo()),
     (fr.MaxHeap(), fr.MinHeap()),
+    (fr.Prioritized(0.7), fr.Fifo(fill_holes=True)),
 ]
 
 
@@ -108,7 +109,7 @@ def test_matches_reference(sampler, remover, max_times, ops, seed):
       assert not valid[int(valid.sum()):].any(), "valid rows must come first"
       assert len(set(slots)) == len(slots), "a slot repeated within a batch"
       assert set(slots) <= set(sampleable), "sampled an ineligible slot"
-      assert int(batch.num_eligible) == len(elig)
+      assert int(batch.num_eligible) == len(sampleable)
       for row, s in zip(np.flatnonzero(valid), slots):
         assert int(batch.data["x"][row]) == ref.payload[s]
         assert int(batch.info.key[row]) == ref.key[s]

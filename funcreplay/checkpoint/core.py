@@ -213,6 +213,21 @@ def _check_arrays(manifest, spec: TableSpec, num_shards: Optional[int], where: s
   return treedef
 
 
+def _zero_weight_count(spec: TableSpec, state):
+  """``state`` (numpy) with ``occ_tree[..., 0]``, where it is 0, set to its count of
+  occupied items of zero sampling weight (``indexes.zero_weight_count``):
+  checkpoints written before that count existed hold 0 there. A stored count is
+  kept as it is (a restore gives back the saved bytes)."""
+  if not spec.prioritized:
+    return state
+  occupied, weights = np.asarray(state.occupied), np.asarray(state.weight_tree)
+  p, c = weights.shape[-1] // 2, occupied.shape[-1]
+  tree = np.array(state.occ_tree, copy=True)
+  count = np.sum(occupied & ~(weights[..., p:p + c] > 0), axis=-1)
+  tree[..., 0] = np.where(tree[..., 0] == 0, count, tree[..., 0])
+  return state.replace(occ_tree=tree)
+
+
 def _add_derived(arrays, manifest, spec: TableSpec, num_shards: Optional[int]):
   """``arrays`` (in manifest order) completed with the ``_DERIVED`` leaves an older
   checkpoint lacks, rebuilt from its columns."""
@@ -326,7 +341,8 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
   arrays = rows.unpack(fmt.read_arrays(path, manifest, verify=verify), names,
                        [full[n] for n in names], rows_entry, mpath)
   arrays = _add_derived(arrays, manifest, saved_spec, num_shards)
-  state = record.from_record(jax.tree_util.tree_unflatten(treedef, arrays))
+  state = _zero_weight_count(saved_spec, record.from_record(
+      jax.tree_util.tree_unflatten(treedef, arrays)))
   if spec.capacity != saved_spec.capacity:
     state = (migrate.grow(saved_spec, spec, state) if num_shards is None
              else migrate.grow_sharded(saved_spec, spec, state, num_shards))

@@ -56,7 +56,7 @@ def grow(old: TableSpec, new: TableSpec, state: TableState) -> TableState:
   """
   c, c2 = old.capacity, new.capacity
   assert c2 > c, (c, c2)
-  fifo = isinstance(old.remover, sel.Fifo)
+  fifo = sel.is_ring(old.remover)
   write_pos = int(state.write_pos)
   order = (write_pos + np.arange(c)) % c if fifo else np.arange(c)
   # Columns are overwritten below and the trees rebuilt: zeros are enough.

@@ -15,6 +15,7 @@ checked against the stored description.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 from typing import Any, Dict, List
 
@@ -30,9 +31,11 @@ _SELECTORS = {cls.__name__: cls for cls in sel.SAMPLERS}
 
 
 def _num(x):
-  """A float/int as JSON (infinities as strings)."""
+  """A float/int as JSON (infinities as strings, a ``Fraction`` as ``"p/q"``)."""
   if isinstance(x, float) and math.isinf(x):
     return "inf" if x > 0 else "-inf"
+  if isinstance(x, fractions.Fraction):
+    return f"{x.numerator}/{x.denominator}"
   return x
 
 
@@ -41,6 +44,11 @@ def _unnum(x):
     return math.inf
   if x == "-inf":
     return -math.inf
+  if isinstance(x, str) and "/" in x:
+    try:
+      return fractions.Fraction(x)
+    except ValueError:
+      raise CheckpointError(f"malformed fraction {x!r} in the checkpoint spec.") from None
   return x
 
 

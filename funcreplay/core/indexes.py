@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay.core import numerics, ordering, staleness, trees
+from funcreplay.core import inplace, numerics, ordering, staleness, trees
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -29,11 +29,21 @@ def _padded(x, p, fill):
 ALL_TREES = ("occ_tree", "weight_tree", "remover_tree")
 
 
+def zero_weight_count(spec: TableSpec, state: TableState):
+  """int32[]: occupied items whose sampling weight is 0 (``occ_tree[0]``, an otherwise
+  unused node; kept for a prioritized sampler, 0 otherwise). Such items are not
+  eligible: a table's eligible count is ``size - zero_weight_count``."""
+  return state.occ_tree[0] if spec.prioritized else jnp.int32(0)
+
+
 def refresh(spec: TableSpec, state: TableState, slots, valid=None,
-            which=ALL_TREES) -> TableState:
+            which=ALL_TREES, count_zero: bool = True) -> TableState:
   """Re-derive the leaves at ``slots`` (int32[K]) of the ``which`` trees from the columns.
 
   The valid entries of ``slots`` must be distinct (callers deduplicate).
+  ``count_zero``: keep ``zero_weight_count`` in step, from the old leaves
+  (``sample`` passes False: it refreshes leaves it zeroed for its draws, and
+  the items it frees all had a positive weight).
   """
   if valid is None:
     valid = jnp.ones(slots.shape, bool)
@@ -46,6 +56,16 @@ def refresh(spec: TableSpec, state: TableState, slots, valid=None,
   safe = jnp.where(valid, slots, 0)
   occ = state.occupied[safe]
   occ_tree = state.occ_tree
+  if spec.prioritized and count_zero and "weight_tree" in which:
+    p = spec.tree_size
+    old_occ, old_w = occ_tree[p + safe], state.weight_tree[p + safe]
+    new_w = sample_weight(spec, occ, state.priority[safe])
+    delta = (jnp.sum(valid & occ & (new_w <= 0), dtype=jnp.int32)
+             - jnp.sum(valid & (old_occ > 0) & (old_w <= 0), dtype=jnp.int32))
+    # The tree updates below write in place: order these reads before them.
+    state = state.replace(weight_tree=inplace.tie(state.weight_tree, inplace.never(old_w)))
+    occ_tree = inplace.tie(occ_tree, inplace.never(old_occ))
+    occ_tree = occ_tree.at[jnp.array([0, 2 * p])].add(jnp.stack([delta, 0]), mode="drop")
   if "occ_tree" in which:
     occ_tree = trees.refresh_count(occ_tree, safe, occ.astype(jnp.int32), valid)
   weight_tree = state.weight_tree
@@ -70,6 +90,8 @@ def rebuild(spec: TableSpec, state: TableState) -> TableState:
   if spec.prioritized:
     w = sample_weight(spec, state.occupied, state.priority)
     state = state.replace(weight_tree=trees.build_sum(_padded(w, p, 0.0)))
+    zero = jnp.sum(state.occupied & (w <= 0), dtype=jnp.int32)
+    state = state.replace(occ_tree=state.occ_tree.at[0].set(zero))
   if spec.needs_remover_tree:
     better = ordering.better_fn(spec.remover, _PaddedView(state, p))
     state = state.replace(remover_tree=trees.build_best(occ, better))

@@ -10,10 +10,16 @@ selector       as a sampler                                as a remover
 Uniform        uniform over eligible items                 a uniformly random item
 Prioritized    P(i) = p_i**alpha / sum_j p_j**alpha        (not supported)
 Fifo           oldest eligible items first                 ring: oldest-written slot
+                                                           (fill_holes: oldest item)
 Lifo           newest eligible items first                 the newest item
 MinHeap        lowest priority first (ties: oldest first)  lowest priority
 MaxHeap        highest priority first (ties: oldest first) highest priority
 =============  ==========================================  =======================
+
+A remover runs when a full table receives an item, and (as in Reverb) the
+incoming item is a candidate too: ``Lifo`` evicts it at once, a heap remover
+when its priority is the lowest / highest, ``Uniform`` with probability
+``1 / (C + 1)``.
 """
 
 from __future__ import annotations
@@ -49,7 +55,27 @@ class Prioritized:
 
 @dataclasses.dataclass(frozen=True)
 class Fifo:
-  """First in, first out (by insertion order)."""
+  """First in, first out (by insertion order).
+
+  As a remover, by default a *ring*: the table writes slots in order and, when
+  the slot it reaches holds an item, evicts that item (the oldest). O(B)
+  contiguous writes and an O(1) uniform draw, but a slot freed early (delete,
+  ``max_times_sampled``, staleness) stays a hole until the ring comes back to
+  it, so the oldest item is evicted even while holes are free: capacity 3,
+  insert 0, 1, 2, delete 1, insert 3 keeps {2, 3}.
+
+  Attributes:
+    fill_holes: Reverb's FIFO remover instead: free slots first, and only a
+      full table evicts its oldest item (the example keeps {0, 2, 3}). Costs an
+      order tree (O(log C) per changed item) and the portable per-row victim
+      loop; no native kernels (BUILD.md, "The Fifo remover is a ring").
+  """
+
+  fill_holes: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.fill_holes, bool):
+      raise TypeError(f"Fifo(fill_holes={self.fill_holes!r}): expected a bool.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +97,11 @@ Selector = Union[Uniform, Prioritized, Fifo, Lifo, MinHeap, MaxHeap]
 SAMPLERS = (Uniform, Prioritized, Fifo, Lifo, MinHeap, MaxHeap)
 REMOVERS = (Uniform, Fifo, Lifo, MinHeap, MaxHeap)
 ORDERED = (Fifo, Lifo, MinHeap, MaxHeap)
+
+
+def is_ring(remover) -> bool:
+  """True for the ``Fifo`` ring remover (``Fifo()``, not ``Fifo(fill_holes=True)``)."""
+  return isinstance(remover, Fifo) and not remover.fill_holes
 
 
 def is_ordered(selector) -> bool:

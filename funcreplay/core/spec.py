@@ -111,7 +111,8 @@ class TableSpec:
 
   @property
   def needs_remover_tree(self) -> bool:
-    return isinstance(self.remover, (sel.Lifo, sel.MinHeap, sel.MaxHeap))
+    return (isinstance(self.remover, (sel.Lifo, sel.MinHeap, sel.MaxHeap))
+            or (isinstance(self.remover, sel.Fifo) and self.remover.fill_holes))
 
   @property
   def prioritized(self) -> bool:

@@ -43,7 +43,9 @@ class TableState:
     times_sampled: int32[C].
     priority: float32[C] (used by prioritized and heap selectors).
     metadata: dict name -> int32[C] user columns.
-    occ_tree: int32[2P] occupancy count tree (size = ``occ_tree[1]``).
+    occ_tree: int32[2P] occupancy count tree (size = ``occ_tree[1]``); its
+      otherwise unused node 0 counts the occupied items of zero sampling
+      weight under a ``Prioritized`` sampler (not eligible; 0 otherwise).
     weight_tree: float32[2P] tree of ``priority**alpha`` (prioritized
       sampler only; shape [0] otherwise).
     remover_tree: int32[2P] arg-best tree of the next victim (Lifo / heap
@@ -148,7 +150,8 @@ class Sample:
       are zeros and must be ignored.
     valid: bool[B]; False where fewer than B eligible items existed.
     info: ``SampleInfo``.
-    num_eligible: int32[] eligible items when sampled (N in importance weights).
+    num_eligible: int32[] eligible items when sampled (N in importance weights;
+      under a ``Prioritized`` sampler only items with priority > 0 count).
   """
 
   data: Any

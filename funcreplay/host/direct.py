@@ -51,9 +51,9 @@ from funcreplay.core.spec import TableSpec
 from funcreplay.native import build
 
 # The layout of direct.cc's configuration and pointer vectors.
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 (_ABI, _BATCH, _CAPACITY, _REPLACE, _MAX_TIMES, _RING, _N_DATA, _VERSION, _MIN_VALID,
- _MAX_STALENESS, _MIN_SIZE, _HAS_MIN_DIFF, _Q, _Q_MIN_BITS, _TREE_NODES, _HIST_SIZE,
+ _MAX_STALENESS, _MIN_SIZE, _HAS_MIN_DIFF, _Q, _Q_MIN, _TREE_NODES, _HIST_SIZE,
  _LEDGER_WORDS, _KEY_WORDS, _OUT_BYTES, _FIXED) = range(20)
 (_P_KEY, _P_OCCUPIED, _P_KEYS, _P_VERSION, _P_TIMES, _P_PRIORITY, _P_OCC_TREE,
  _P_WEIGHT_TREE, _P_LEDGER, _P_HIST, _P_BOUNDS, _P_OUT, _P_DATA) = range(13)
@@ -111,14 +111,14 @@ class DirectSampler:
     base[_ABI] = _ABI_VERSION
     base[_CAPACITY] = spec.capacity
     base[_MAX_TIMES] = int(spec.max_times_sampled)
-    base[_RING] = int(isinstance(spec.sampler, sel.Uniform) and isinstance(spec.remover, sel.Fifo))
+    base[_RING] = int(isinstance(spec.sampler, sel.Uniform) and sel.is_ring(spec.remover))
     base[_N_DATA] = n_data
     base[_MAX_STALENESS] = -1 if spec.max_staleness is None else spec.max_staleness
     base[_MIN_SIZE] = lim.min_size_to_sample
-    base[_HAS_MIN_DIFF] = int(not (np.isinf(lim.min_diff) and lim.min_diff < 0))
+    base[_HAS_MIN_DIFF] = int(lim.q_min is not None)
     base[_Q] = q
-    if base[_HAS_MIN_DIFF]:  # rate_limiters._scaled: float32(min_diff * q)
-      base[_Q_MIN_BITS] = int(np.float32(lim.min_diff * q).view(np.uint32))
+    if base[_HAS_MIN_DIFF]:  # rate_limiters.RateLimiter.can_sample: ceil(min_diff * q)
+      base[_Q_MIN] = lim.q_min
     self._row_bytes = np.array(
         [int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
          for x in spec.signature.leaves], np.int64)

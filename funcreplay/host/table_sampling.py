@@ -55,6 +55,16 @@ class SamplingMixin:
     enough, matching ``where``) or while the rate limiter forbids sampling the
     rows this call would return (``min(B, eligible)``; B with replacement).
 
+    One call is one limiter decision for the whole batch (Reverb decides per
+    item): ``min_size_to_sample`` and the ``SampleToInsertRatio`` window are
+    checked once, before the draw, for all ``n`` rows together (the window
+    must admit ``samples + n``), and then all ``n`` rows are sampled. Items
+    reaching ``max_times_sampled`` are freed after the batch, so with
+    ``max_times_sampled=1`` a batch of ``n`` distinct items leaves ``size -
+    n`` items, possibly below ``min_size_to_sample``, where Reverb, sampling
+    item by item, would have stopped at the minimum; with ``replace=True``
+    an item may appear more often in one batch than its remaining allowance.
+
     Returns:
       ``fr.Sample`` of fresh JAX arrays: ``data`` (item pytree, leading [B]),
       ``valid`` bool[B], ``info`` (slot int32[B], key uint32[B], probability

@@ -65,9 +65,9 @@ def _byte_rows(spec: TableSpec) -> bool:
 
 
 def supports_insert(spec: TableSpec) -> bool:
-  """True if ``insert`` on ``spec`` has a native kernel (any sampler, ``Fifo`` remover,
-  whole-byte item dtypes)."""
-  return isinstance(spec.remover, sel.Fifo) and _byte_rows(spec)
+  """True if ``insert`` on ``spec`` has a native kernel (any sampler, the ``Fifo`` ring
+  remover, whole-byte item dtypes)."""
+  return sel.is_ring(spec.remover) and _byte_rows(spec)
 
 
 def supports_update_priorities(spec: TableSpec) -> bool:

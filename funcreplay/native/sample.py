@@ -57,7 +57,7 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
                                                             state.priority), 0.0))
       num_eligible = jnp.sum(mask, dtype=jnp.int32)
     else:
-      total, num_eligible = state.weight_tree[1], state.size
+      total, num_eligible = state.weight_tree[1], ops.count(spec, state)
   else:
     total, num_eligible = jnp.float32(0), ops.count(spec, state, where, ver)
   params = jnp.stack([jnp.asarray(ver if has_version else 0, jnp.int32), thresh,
@@ -87,7 +87,7 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
   res = call(*operands, batch_size=b, capacity=c, replace=bool(replace),
              max_times_sampled=int(spec.max_times_sampled), has_version=has_version,
              has_where=where is not None,
-             ring=isinstance(spec.sampler, sel.Uniform) and isinstance(spec.remover, sel.Fifo),
+             ring=isinstance(spec.sampler, sel.Uniform) and sel.is_ring(spec.remover),
              packed=offsets, ledger=native.ledger_attr(spec))
 
   n_state = len(state_ops)

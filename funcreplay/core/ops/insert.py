@@ -59,10 +59,15 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
 
   Returns:
     The new state. Rows are inserted in order as if one at a time: free slots
-    are used first; when full, the remover chooses victims (the ``Fifo``
-    remover is a ring: the oldest-*written* slot is overwritten, whether its
-    item is still present or a hole left by a delete). Cost O(B log C) with a
-    donated state; O(B) data movement.
+    are used first; when full, the remover chooses a victim per row among
+    the items and the row itself, as Reverb does (it inserts, then evicts):
+    ``Lifo`` evicts the new row at once, a heap remover evicts it when its
+    priority is the worst (ties: the older item goes), ``Uniform`` with
+    probability ``1 / (C + 1)``; such a row counts as inserted and evicted.
+    The ``Fifo`` remover is a ring: the oldest-*written* slot is overwritten,
+    whether its item is still present or a hole left by a delete
+    (``Fifo(fill_holes=True)``: free slots first, then the oldest item).
+    Cost O(B log C) with a donated state; O(B) data movement.
   """
   b = _batch_size(spec, items)
   cap = spec.capacity
@@ -119,7 +124,7 @@ def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_r
   state = state.replace(version_hist=hist, version_bounds=bounds)
   columns = dict(key=keys, version=versions, priority=prios, metadata=meta_rows)
 
-  if isinstance(spec.remover, sel.Fifo):
+  if sel.is_ring(spec.remover):
     slots = (state.write_pos + rank) % cap
     victims = mask & take(state.occupied, jnp.where(mask, slots, 0))
     state = remove(spec, state, slots, victims, "evicted_capacity")
@@ -172,20 +177,21 @@ def _insert_with_victims(spec, state, need, items, columns, rng):
   """Insert rows ``need`` one at a time into a full table, evicting per the remover.
 
   Sequential on purpose: Reverb's removers run once per inserted item, so a
-  later row of the same batch may evict an earlier one (e.g. Lifo).
+  later row of the same batch may evict an earlier one (e.g. Lifo). As in
+  Reverb, which inserts first and then asks the remover, the row being
+  inserted is itself a candidate (``new_item_is_victim``): then it is counted
+  as inserted and evicted at once and the table is unchanged.
   """
   b = need.shape[0]
   if rng is None:
     rng = jax.random.PRNGKey(0)  # unused by deterministic removers
+  if isinstance(spec.remover, sel.Lifo):  # the new item is always the newest: every row goes
+    c = dict(state.counters)
+    c["evicted_capacity"] = ctr.add(c["evicted_capacity"], jnp.sum(need).astype(jnp.uint32))
+    return state.replace(counters=c)
 
   def one(r, st):
-    def do(st):
-      if isinstance(spec.remover, sel.Uniform):
-        u = jax.random.uniform(jax.random.fold_in(rng, r))
-        k = jnp.minimum((u * st.size).astype(jnp.int32), st.size - 1)
-        victim = trees.descend_count(st.occ_tree, k[None], free=False)[0]
-      else:
-        victim = trees.best(st.remover_tree)
+    def replace(st, victim):
       vs = victim[None]
       st = remove(spec, st, vs, jnp.ones((1,), bool), "evicted_capacity")
       row = jax.tree_util.tree_map(lambda x: lax.dynamic_slice_in_dim(x, r, 1), items)
@@ -194,9 +200,51 @@ def _insert_with_victims(spec, state, need, items, columns, rng):
                   metadata={k: v[r][None] for k, v in columns["metadata"].items()})
       return _write(spec, st, vs, jnp.ones((1,), bool), row, cols)
 
+    def drop(st, victim):
+      del victim
+      c = dict(st.counters)
+      c["evicted_capacity"] = ctr.add(c["evicted_capacity"], jnp.uint32(1))
+      return st.replace(counters=c)
+
+    def do(st):
+      if isinstance(spec.remover, sel.Uniform):
+        k, new_wins = new_item_is_victim(spec.remover, st, columns["priority"][r],
+                                         u=jax.random.uniform(jax.random.fold_in(rng, r)))
+        victim = trees.descend_count(st.occ_tree, k[None], free=False)[0]
+      else:
+        victim = trees.best(st.remover_tree)
+        _, new_wins = new_item_is_victim(spec.remover, st, columns["priority"][r],
+                                         victim=victim)
+      return lax.cond(new_wins, drop, replace, st, victim)
+
     return lax.cond(need[r], do, lambda st: st, st)
 
   return lax.cond(jnp.any(need), lambda st: lax.fori_loop(0, b, one, st), lambda st: st, state)
+
+
+def new_item_is_victim(remover, state, priority, *, victim=None, u=None):
+  """Whether a full table's remover picks the item being inserted (Reverb's rule).
+
+  Reverb inserts first, then asks the remover for a victim among the ``C + 1``
+  items. ``Fifo``: never (the new item is the newest). ``Lifo``: always.
+  ``MinHeap`` / ``MaxHeap``: when the new ``priority`` is strictly lower /
+  higher than the best existing ``victim``'s (on a tie the older item goes).
+  ``Uniform``: with probability ``1 / (C + 1)`` from the uniform ``u``.
+
+  Returns:
+    ``(k, is_new)``: for ``Uniform``, ``k`` int32[] is the rank of the existing
+    victim among the occupied slots when ``is_new`` is False; else None.
+  """
+  if isinstance(remover, sel.Fifo):
+    return None, jnp.asarray(False)
+  if isinstance(remover, sel.Lifo):
+    return None, jnp.asarray(True)
+  if isinstance(remover, sel.Uniform):
+    size = state.size
+    k = jnp.minimum((u * (size + 1).astype(jnp.float32)).astype(jnp.int32), size)
+    return jnp.minimum(k, size - 1), k == size
+  sign = 1.0 if isinstance(remover, sel.MinHeap) else -1.0
+  return None, priority * sign < state.priority[victim] * sign
 
 
 # --- delete / priorities / metadata ------------------------------------------

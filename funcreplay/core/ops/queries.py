@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import inplace, staleness
+from funcreplay.core import indexes, inplace, staleness
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -21,8 +21,11 @@ def stale_mask(spec: TableSpec, state: TableState, version):
 
 
 def eligible_mask(spec: TableSpec, state: TableState, version=None, where=None):
-  """bool[C]: items a sample at ``version`` restricted to ``where`` may return."""
+  """bool[C]: items a sample at ``version`` restricted to ``where`` may return
+  (under a ``Prioritized`` sampler, only items of positive sampling weight)."""
   ok = state.occupied
+  if spec.prioritized:
+    ok = indexes.sample_weight(spec, ok, state.priority) > 0
   if version is not None and spec.max_staleness is not None:
     ok = ok & ~stale_mask(spec, state, version)
   if where is not None:
@@ -41,14 +44,19 @@ def masks_active(spec: TableSpec, version, where) -> bool:
 def count(spec: TableSpec, state: TableState, where=None, version=None, size=None):
   """Number of eligible items (int32[]).
 
-  O(1) without masks; with only the staleness mask, O(1) or O(V) from the
-  version index in the steady state (see ``funcreplay.core.staleness``); O(C)
-  with ``where`` or when the index cannot answer. ``size``: ``state.size``
-  if the caller already read it (``sample`` reads it once, see ``inplace``).
+  With a ``Prioritized`` sampler only items of positive sampling weight
+  (priority > 0) are eligible. O(1) without masks; with only the staleness
+  mask, O(1) or O(V) from the version index in the steady state (see
+  ``funcreplay.core.staleness``); O(C) with ``where``, with any mask under a
+  prioritized sampler, or when the index cannot answer. ``size``:
+  ``state.size`` if the caller already read it (``sample`` reads it once,
+  see ``inplace``).
   """
   size = state.size if size is None else size
   if not masks_active(spec, version, where):
-    return size
+    return size - indexes.zero_weight_count(spec, state)
+  if spec.prioritized:  # the version index does not know the weights
+    return jnp.sum(eligible_mask(spec, state, version, where), dtype=jnp.int32)
   full = lambda: jnp.sum(eligible_mask(spec, state, version, where), dtype=jnp.int32)  # noqa: E731
   if where is not None:
     return full()

@@ -202,7 +202,7 @@ def restore_zeroed(spec: TableSpec, state: TableState, zeroed, tree_field: str) 
   skipped at run time, when it zeroed none)."""
   def restore(tree):
     st = indexes.refresh(spec, state.replace(**{tree_field: tree}), jnp.maximum(zeroed, 0),
-                         zeroed >= 0, which=(tree_field,))
+                         zeroed >= 0, which=(tree_field,), count_zero=False)
     return getattr(st, tree_field)
 
   tree = getattr(state, tree_field)

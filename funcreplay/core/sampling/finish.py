@@ -48,5 +48,7 @@ def finish(spec, state, picked, prob, num_eligible, ver, replace):
     if replace:  # a slot can appear twice: count it once (without, rows are distinct)
       exhausted = ops.last_occurrence(safe, exhausted)
     state = ops.remove(spec, state, safe, exhausted, "evicted_reuse")
-    state = indexes.refresh(spec, state, safe, exhausted)
+    # Sampled items had a positive weight: the zero-weight count does not move
+    # (and leaves the draw zeroed would read as zero).
+    state = indexes.refresh(spec, state, safe, exhausted, count_zero=False)
   return state, Sample(data=data, valid=valid, info=info, num_eligible=num_eligible)

@@ -151,15 +151,16 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
     # Totals are read before the draw, which updates the tree in place. XLA
     # would re-fuse these cheap reads into each later use, each an unordered
     # read of the tree (a copy); ``once`` makes them single reads.
-    size0, unmasked_total = inplace.once(
-        (state.size, state.weight_tree[1] if spec.prioritized else jnp.float32(0)))
+    size0, unmasked_total, zero0 = inplace.once(
+        (state.size, state.weight_tree[1] if spec.prioritized else jnp.float32(0),
+         indexes.zero_weight_count(spec, state)))
     if stratified:
       w = _Weights(spec, state)
       picked = _draw_stratified(spec, state, rng, b)
       tree, touched = w.tree, None
     else:
       window = None
-      if isinstance(spec.sampler, sel.Uniform) and isinstance(spec.remover, sel.Fifo):
+      if isinstance(spec.sampler, sel.Uniform) and sel.is_ring(spec.remover):
         start, filled = ring_window(spec, state)
         window = (start, filled, size0 == filled)
       picked, tree, touched = _draw_weighted(spec, state, rng, b, replace, eligible_fn,
@@ -174,7 +175,7 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
         total = eligible_weight(spec, state, mask)
         num_eligible = jnp.sum(mask, dtype=jnp.int32)
       else:
-        total, num_eligible = unmasked_total, size0
+        total, num_eligible = unmasked_total, size0 - zero0
       prob = w_item / jnp.maximum(total, numerics.TINY)
     else:
       num_eligible = ops.count(spec, state, where, ver, size=size0)

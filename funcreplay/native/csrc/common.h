@@ -165,16 +165,16 @@ class Ledger {
   }
   void SetFloat(LedgerEntry e, float f) { std::memcpy(Word(e), &f, sizeof f); }
   void Count(LedgerEntry e, uint64_t n) { CounterAdd(Word(e), n); }
-  // limiter_diff += p * inserted - q * sampled in wrapping int32, clipped to
-  // +-limit: rate_limiters.update_diff bit for bit.
+  // limiter_diff += p * inserted (clipped to +limit), then -= q * sampled
+  // (clipped to -limit): rate_limiters.update_diff, exact (p, q <= 2**29).
   void UpdateLimiter(int64_t inserted, int64_t sampled) {
-    const uint32_t p = static_cast<uint32_t>(layout_[kLNumEntries]);
-    const uint32_t q = static_cast<uint32_t>(layout_[kLNumEntries + 1]);
-    const int32_t limit = static_cast<int32_t>(layout_[kLNumEntries + 2]);
-    const int32_t d = Wrap(static_cast<uint32_t>(GetInt(kLLimiterDiff)) +
-                           p * static_cast<uint32_t>(inserted) -
-                           q * static_cast<uint32_t>(sampled));
-    SetInt(kLLimiterDiff, std::min(std::max(d, -limit), limit));
+    const int64_t p = layout_[kLNumEntries];
+    const int64_t q = layout_[kLNumEntries + 1];
+    const int64_t limit = layout_[kLNumEntries + 2];
+    int64_t d = GetInt(kLLimiterDiff);
+    d = std::min(d + p * inserted, limit);
+    d = std::max(d - q * sampled, -limit);
+    SetInt(kLLimiterDiff, static_cast<int32_t>(d));
   }
 
  private:

@@ -52,7 +52,7 @@ enum Config : size_t {
   kMinSize,          // rate limiter: min_size_to_sample
   kHasMinDiff,       // rate limiter: 0 when min_diff is -inf
   kQ,                // rate limiter: samples_per_insert = p / q
-  kQMinBits,         // rate limiter: float32 bits of min_diff * q
+  kQMin,             // rate limiter: ceil(min_diff * q) (rate_limiters.RateLimiter.q_min)
   kTreeNodes,        // 2P (count tree; also the weight tree when prioritized)
   kHistSize,         // V (0 without staleness)
   kLedgerWords,      // words of the ledger
@@ -61,7 +61,7 @@ enum Config : size_t {
   kFixed,            // then: row bytes [n_data], packed offsets [n_data + 9],
                      // ledger layout [kLNumEntries + 3]
 };
-constexpr int64_t kAbiVersion = 2;
+constexpr int64_t kAbiVersion = 3;
 
 // Layout of the pointer vector.
 enum Pointer : size_t {
@@ -176,21 +176,18 @@ extern "C" int funcreplay_direct_sample(const int64_t* cfg, void* const* ptrs, i
   const int32_t size = job.tree[1];
   const int32_t ver = static_cast<int32_t>(cfg[kVersion]);
   int32_t thr = std::numeric_limits<int32_t>::min();
-  int32_t cnt = size;
+  // Zero-weight items are not eligible (occ_tree[0], indexes.zero_weight_count).
+  int32_t cnt = job.wtree != nullptr ? size - job.tree[0] : size;
   if (cfg[kMaxStaleness] >= 0) {  // staleness.threshold, then ops.count
     const int32_t ms = static_cast<int32_t>(cfg[kMaxStaleness]);
     thr = std::max(ver, std::numeric_limits<int32_t>::min() + ms) - ms;
     cnt = CountFresh(job.index, size, thr, job.occupied, job.versions, c);
   }
   const int64_t n_valid = job.replace ? (cnt > 0 ? b : 0) : std::min<int64_t>(cnt, b);
-  bool limiter_ok = size >= cfg[kMinSize];  // rate_limiters.can_sample, in float32
+  bool limiter_ok = size >= cfg[kMinSize];  // rate_limiters.can_sample, exact integers
   if (cfg[kHasMinDiff] != 0) {
-    float q_min;
-    const uint32_t bits = static_cast<uint32_t>(cfg[kQMinBits]);
-    std::memcpy(&q_min, &bits, sizeof q_min);
-    const float diff_after = static_cast<float>(job.ledger.GetInt(kLLimiterDiff)) -
-                             static_cast<float>(cfg[kQ]) * static_cast<float>(n_valid);
-    limiter_ok = limiter_ok && diff_after >= q_min;
+    const int64_t diff = job.ledger.GetInt(kLLimiterDiff);
+    limiter_ok = limiter_ok && diff - cfg[kQ] * n_valid >= cfg[kQMin];
   }
   const bool ok = limiter_ok && cnt >= cfg[kMinValid];
 
@@ -254,6 +251,7 @@ extern "C" int funcreplay_direct_update_priorities(const int64_t* cfg, void* con
     job.weights = weights.data();
     job.wtree = static_cast<float*>(ptrs[kPWeightTree]);
     job.p = cfg[kUTreeNodes] / 2;
+    job.zero_count = static_cast<int32_t*>(ptrs[kPOccTree]);
   }
   RunUpdatePriorities(job);
   return 0;

@@ -256,6 +256,12 @@ ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int6
     const int64_t s = pos;
     slot_of[i] = static_cast<int32_t>(s);
     pos = pos + 1 == c ? 0 : pos + 1;
+    if (wtree != nullptr) {
+      // occ_tree[0] counts the occupied items of zero sampling weight, which
+      // are not eligible (indexes.zero_weight_count).
+      if (occupied[s] && !(wtree[p + s] > 0.0f)) --tree[0];
+      if (!(in_weight[i] > 0.0f)) ++tree[0];
+    }
     if (occupied[s]) {
       victim[i] = 1;
       victim_version[i] = version[s];
@@ -311,7 +317,7 @@ ffi::Error FifoInsertImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int6
 // float32[K] (as given), weights float32[K] (priority**alpha of the sanitized
 // priorities, prioritized sampler) or float32[0]; then the state, aliased:
 // occupied, key, priority, weight_tree, ledger (max_priority and the
-// invalid_priorities counter).
+// invalid_priorities counter), occ_tree (its node 0, the zero-weight count).
 // Applied only where the slot still holds the key; the last row for a slot
 // wins; negative / NaN / inf priorities are stored as 0 and counted (among
 // the winning rows), as ops.update_priorities.
@@ -337,6 +343,7 @@ ffi::Error UpdatePrioritiesImpl(ffi::RemainingArgs args, ffi::RemainingRets rets
   if (!OpenLedger(rets, 4, ledger_layout, &job.ledger)) {
     return LedgerMismatch("funcreplay_update_priorities");
   }
+  if (job.wtree != nullptr) job.zero_count = Ptr<int32_t>(rets, 5);
   RunUpdatePriorities(job);
   return ffi::Error::Success();
 }

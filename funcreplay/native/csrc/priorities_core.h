@@ -33,6 +33,7 @@ struct UpdateJob {
   float* priority = nullptr;
   float* wtree = nullptr;
   int64_t p = 0;  // leaves of the weight tree
+  int32_t* zero_count = nullptr;  // occ_tree[0] (with wtree): occupied zero-weight items
   Ledger ledger;
 };
 
@@ -60,6 +61,7 @@ inline void RunUpdatePriorities(UpdateJob& job) {
     job.priority[s] = clean;
     largest = std::max(largest, clean);
     if (job.wtree != nullptr) {
+      *job.zero_count += (job.weights[i] > 0.0f ? 0 : 1) - (job.wtree[job.p + s] > 0.0f ? 0 : 1);
       job.wtree[job.p + s] = job.weights[i];
       changed.push_back(job.p + s);
     }
