@@ -54,7 +54,7 @@ class Lean:
     return mod.sample(self.spec, s, key, batch_size=batch_size, replace=replace)
 
   def update_priorities(self, s, slots, keys, p):
-    return fr.make_table(self.spec, native=False).update_priorities(s, slots, keys, p)
+    return lean_prio.update_priorities(self.spec, s, slots, keys, p)
 
 
 def _filled(t, fill):

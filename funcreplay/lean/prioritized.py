@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from funcreplay import counters as ctr
 from funcreplay import indexes, trees
 from funcreplay import selectors as sel
 from funcreplay.lean import draws, uniform
@@ -47,6 +48,50 @@ from funcreplay.state import TableState
 _U24 = 2.0**-24  # float32 resolution of a uniform in [0, 1) from 24 random bits
 
 
+def applies_update(spec: TableSpec) -> bool:
+  """True when ``update_priorities`` below may replace ``ops.update_priorities`` (static):
+  no order tree (a ``Fifo`` or ``Uniform`` remover)."""
+  return not spec.needs_remover_tree
+
+
+def update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities):
+  """``ops.update_priorities`` for tables without an order tree, bit for bit.
+
+  Key guard (the slot must still hold ``keys``), last occurrence wins (one
+  packed sort of the K slots), bad priorities stored as 0 and counted, then
+  one float sum-tree refresh of the K leaves (O(K log P), never drifting).
+  """
+  if not applies_update(spec):
+    raise ValueError("lean update_priorities: the remover keeps an order tree.")
+  cap = spec.capacity
+  slots = jnp.asarray(slots, jnp.int32)
+  k = slots.shape[0]
+  keys = jnp.broadcast_to(jnp.asarray(keys, jnp.uint32), slots.shape)
+  p = jnp.broadcast_to(jnp.asarray(priorities, jnp.float32), slots.shape)
+  in_range = (slots >= 0) & (slots < cap)
+  safe = jnp.where(in_range, slots, 0)
+  ok = in_range & state.occupied[safe] & (state.key[safe] == keys)
+  # Last valid occurrence of each slot: sort (slot, row) pairs, keep each run's last.
+  s_slot, s_row = draws.sort_pairs(jnp.where(ok, safe, cap), cap + 1)
+  last_sorted = jnp.concatenate([s_slot[1:] != s_slot[:-1], jnp.ones((1,), bool)])
+  win = jnp.zeros((k,), bool).at[s_row].set(last_sorted, unique_indices=True) & ok
+  bad = ~jnp.isfinite(p) | (p < 0)
+  clean = jnp.where(bad, 0.0, p)
+  c = dict(state.counters)
+  c["invalid_priorities"] = ctr.add(c["invalid_priorities"],
+                                    jnp.sum(bad & win, dtype=jnp.uint32))
+  prio = state.priority.at[jnp.where(win, safe, cap)].set(clean, mode="drop")
+  max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(win, clean, 0.0), initial=0.0))
+  tree = state.weight_tree
+  if spec.prioritized:
+    w = indexes.sample_weight(spec, jnp.ones((k,), bool), clean)
+    if k == 1:  # keep the per-level updates real scatters (see indexes.refresh)
+      safe, w, win = (jnp.concatenate([a, a]) for a in (safe, w, win))
+      win = win & jnp.asarray([True, False])
+    tree = trees.refresh_sum(tree, safe, w, win)
+  return state.replace(priority=prio, weight_tree=tree, counters=c, max_priority=max_p)
+
+
 def applies(spec: TableSpec, *, version=None, where=None) -> bool:
   """True when ``sample`` below may replace the general ``sampling.sample`` (static)."""
   return (isinstance(spec.sampler, sel.Prioritized) and where is None
@@ -54,11 +99,11 @@ def applies(spec: TableSpec, *, version=None, where=None) -> bool:
           and (version is None or spec.max_staleness is None))
 
 
-def _first_b(d, b: int):
-  """``(picked int32[b], n)``: the first ``b`` distinct values of ``d`` in order (-1 padded)."""
+def _first_b(d, b: int, n_max: int):
+  """``(picked int32[b], n)``: the first ``b`` distinct values of ``d`` (int32[M] in
+  ``[0, n_max)``) in order (-1 padded)."""
   m = d.shape[0]
-  pos = jnp.arange(m, dtype=jnp.int32)
-  s_d, s_pos = lax.sort((d, pos), num_keys=1, is_stable=True)
+  s_d, s_pos = draws.sort_pairs(d, n_max)
   first_sorted = jnp.concatenate([jnp.ones((1,), bool), s_d[1:] != s_d[:-1]])
   first = jnp.zeros((m,), bool).at[s_pos].set(first_sorted, unique_indices=True)
   rank = jnp.cumsum(first.astype(jnp.int32)) - 1
@@ -99,7 +144,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   if replace:
     picked = jnp.where(alive, d, -1)
   else:
-    picked, n = _first_b(d, b)
+    picked, n = _first_b(d, b, spec.tree_size)
     picked = jnp.where(alive, picked, -1)
 
     def complete(p):
