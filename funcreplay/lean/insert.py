@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay import counters as ctr
 from funcreplay import indexes, staleness, trees
 from funcreplay import rate_limiters as rl
 from funcreplay import selectors as sel
+from funcreplay.lean import ledger
 from funcreplay.spec import TableSpec
 from funcreplay.state import TableState
 
@@ -99,12 +99,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
 
   old_occ = _take(state.occupied, slots)
   reuse = _take(state.times_sampled, slots)
-  counters = dict(state.counters)
   n_evicted = jnp.sum(old_occ, dtype=jnp.uint32)
-  counters["evicted_capacity"] = ctr.add(counters["evicted_capacity"], n_evicted)
-  counters["removed_reuse_sum"] = ctr.add_sum(counters["removed_reuse_sum"], reuse, old_occ)
-  counters["inserts"] = ctr.add(counters["inserts"], jnp.uint32(b))
-  counters["invalid_priorities"] = ctr.add(counters["invalid_priorities"], n_bad)
+  reuse_sum = ledger.total(reuse, old_occ)
 
   hist, bounds = state.version_hist, state.version_bounds
   if spec.max_staleness is not None:  # the same order as ops.insert: advance, remove, add
@@ -125,20 +121,25 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
                                       jnp.asarray([True, False]))
     else:
       weight_tree = trees.refresh_sum(weight_tree, slots, w)
-  return state.replace(
+  state = state.replace(
       data=jax.tree_util.tree_map(put, state.data, items),
       occupied=put(state.occupied, after(jnp.ones((b,), bool), n_evicted)),
       key=put(state.key, keys),
       version=put(state.version, versions),
       times_sampled=put(state.times_sampled, after(jnp.zeros((b,), jnp.int32),
-                                                        counters["removed_reuse_sum"][1])),
+                                                        reuse_sum[0] ^ reuse_sum[1])),
       priority=put(state.priority, prios),
       metadata={k: put(v, _rows(metadata.get(k, 0), b, jnp.int32))
                 for k, v in state.metadata.items()},
       occ_tree=occ_tree, weight_tree=weight_tree,
       version_hist=hist, version_bounds=bounds,
+  )
+  adds = {"evicted_capacity": ledger.count(n_evicted), "removed_reuse_sum": reuse_sum,
+          "inserts": ledger.count(b)}
+  if priority is not None:
+    adds["invalid_priorities"] = ledger.count(n_bad)
+  return ledger.update(state, adds, dict(
       write_pos=(start + b) % cap,
       next_key=state.next_key + jnp.uint32(b),
       limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, inserted=jnp.int32(b)),
-      max_priority=jnp.maximum(state.max_priority, jnp.max(prios)),
-      counters=counters)
+      max_priority=jnp.maximum(state.max_priority, jnp.max(prios))))

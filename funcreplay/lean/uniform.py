@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from funcreplay import counters as ctr
 from funcreplay import rate_limiters as rl
 from funcreplay import selectors as sel
 from funcreplay import trees
-from funcreplay.lean import draws
+from funcreplay.lean import draws, ledger
 from funcreplay.spec import TableSpec
 from funcreplay.state import Sample, SampleInfo, TableState
 
@@ -57,6 +57,20 @@ def positions(rng, n, b: int, replace: bool, n_max: int = 1 << 31):
   return x, jnp.broadcast_to(n > 0, (b,))
 
 
+def materialize(x):
+  """``x`` (int32[B]), computed once.
+
+  XLA:CPU fuses a cheap-looking producer into each consumer, once per
+  *element* of the consumer: the tree descent (and the random words behind
+  it) were recomputed for every float of every gathered row, which inside
+  ``lax.scan`` cost ~1 ms per B = 256 sample (measured). A scatter is never
+  fused into its consumers, so writing ``x`` through one materializes it
+  (``lax.optimization_barrier`` does not: XLA:CPU removes it first).
+  """
+  rows = lax.iota(jnp.int32, x.shape[0])
+  return jnp.zeros_like(x).at[rows].set(x, unique_indices=True, indices_are_sorted=True)
+
+
 def gather_rows(state: TableState, slot, valid):
   """Every data leaf at ``slot`` (int32[B], in range), zero where not ``valid``."""
   def rows(x):
@@ -75,14 +89,13 @@ def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, 
   data = gather_rows(state, slot, valid)
   times = state.times_sampled.at[jnp.where(valid, slot, cap)].add(1, mode="drop")
   n_valid = jnp.sum(valid, dtype=jnp.int32)
-  c = dict(state.counters)
-  c["samples"] = ctr.add(c["samples"], n_valid)
+  adds = {"samples": ledger.count(n_valid)}
   item_version = state.version[slot]
   if version is not None:
     stale = jnp.maximum(jnp.asarray(version, jnp.int32) - item_version, 0)
-    c["sampled_staleness_sum"] = ctr.add_sum(c["sampled_staleness_sum"], stale, valid)
-  state = state.replace(times_sampled=times, counters=c, limiter_diff=rl.update_diff(
-      spec.rate_limiter, state.limiter_diff, sampled=n_valid))
+    adds["sampled_staleness_sum"] = ledger.total(stale, valid)
+  state = ledger.update(state.replace(times_sampled=times), adds, dict(
+      limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, sampled=n_valid)))
   info = SampleInfo(
       slot=jnp.where(valid, slot, -1),
       key=jnp.where(valid, state.key[slot], jnp.uint32(0)),
@@ -103,6 +116,9 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
                      "no staleness mask.")
   n = state.size
   x, valid = positions(rng, n, b, replace, spec.capacity)
-  slot = trees.descend_count(state.occ_tree, jnp.where(valid, x, 0), free=False)
+  # Materialized twice: the positions feed every level of the descent, the
+  # slots every gathered element (see ``materialize``).
+  x = materialize(jnp.where(valid, x, 0))
+  slot = materialize(trees.descend_count(state.occ_tree, x, free=False))
   prob = jnp.full((b,), 1.0, jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)
   return finish(spec, state, slot, valid, prob, n, version)
