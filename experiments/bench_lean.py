@@ -42,16 +42,18 @@ INS, SMP = 16, 256
 class Lean:
   """The lean programs behind the ``make_table`` method names the benchmark calls."""
 
-  def __init__(self, spec):
-    self.spec = spec
+  def __init__(self, spec, ring=False):
+    self.spec, self.ring = spec, ring
     self.init = fr.make_table(spec, native=False).init
 
   def insert(self, s, x, version=0):
     return lean_insert.insert(self.spec, s, x, version=version)
 
   def sample(self, s, key, *, batch_size, replace=False):
-    mod = lean_prio if self.spec.prioritized else lean_uniform
-    return mod.sample(self.spec, s, key, batch_size=batch_size, replace=replace)
+    if self.spec.prioritized:
+      return lean_prio.sample(self.spec, s, key, batch_size=batch_size, replace=replace)
+    return lean_uniform.sample(self.spec, s, key, batch_size=batch_size, replace=replace,
+                               ring=self.ring)
 
   def update_priorities(self, s, slots, keys, p):
     return lean_prio.update_priorities(self.spec, s, slots, keys, p)
@@ -186,6 +188,7 @@ def main():
   ap.add_argument("--cases", default="uniform,prioritized")
   ap.add_argument("--hlo", action="store_true")
   ap.add_argument("--no_portable", action="store_true")
+  ap.add_argument("--ring", action="store_true", help="also lean with ring slots (no holes)")
   a = ap.parse_args()
   import flashbax as fbx
   chunk = jax.device_put(transitions(1 << 14, seed=1))
@@ -203,6 +206,8 @@ def main():
     if case == "prioritized":
       spec = spec.replace(sampler=fr.Prioritized(0.6))
     tables = {"lean": Lean(spec)}
+    if case == "uniform" and a.ring:  # what an O(1) position -> slot map would give
+      tables["lean-ring"] = Lean(spec, ring=True)
     if not a.no_portable:
       tables["portable"] = fr.make_table(spec, native=False)
     if case == "uniform":

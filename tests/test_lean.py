@@ -215,3 +215,14 @@ def test_lean_update_priorities_equals_the_general_one(sampler, k):
     for x, y in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     st = want
+
+
+def test_ring_slots_are_ring_positions_without_holes():
+  spec = fr.TableSpec(8, EXAMPLE)
+  t = fr.make_table(spec, native=False)
+  st = t.insert(t.insert(t.init(), _items(8)), _items(3, 8))  # full, wrapped, no holes
+  # Positions map to slots in ring order: oldest (slot 3) first.
+  x, _ = lean_uniform.positions(jax.random.PRNGKey(0), jnp.int32(8), 8, False, 8)
+  ring = np.asarray(lean_uniform.sample(spec, st, jax.random.PRNGKey(0), batch_size=8,
+                                        ring=True)[1].info.slot)
+  assert ring.tolist() == ((3 + np.asarray(x)) % 8).tolist()

@@ -108,8 +108,15 @@ def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, 
 
 
 def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=None,
-           replace: bool = False):
-  """Lean uniform ``sample`` (see the module doc); ``(state, Sample)`` as ``sampling.sample``."""
+           replace: bool = False, ring: bool = False):
+  """Lean uniform ``sample`` (see the module doc); ``(state, Sample)`` as ``sampling.sample``.
+
+  ``ring``: the caller guarantees a ``Fifo`` remover and a ring without holes
+  (no delete, reuse or staleness eviction ever: ``size == min(inserts, C)``);
+  position ``x`` is then slot ``(write_pos - size + x) mod C``, no descent.
+  An experiment (bench_lean ``lean-ring``) measuring what an O(1) position ->
+  slot map would buy; not for general use (with holes it samples wrongly).
+  """
   b = batch_size
   if not applies(spec, version=version):
     raise ValueError("lean uniform sample: needs a Uniform sampler, max_times_sampled=0 and "
@@ -119,6 +126,9 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   # Materialized twice: the positions feed every level of the descent, the
   # slots every gathered element (see ``materialize``).
   x = materialize(jnp.where(valid, x, 0))
-  slot = materialize(trees.descend_count(state.occ_tree, x, free=False))
+  if ring:
+    slot = materialize((state.write_pos - n + x + spec.capacity) % spec.capacity)
+  else:
+    slot = materialize(trees.descend_count(state.occ_tree, x, free=False))
   prob = jnp.full((b,), 1.0, jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)
   return finish(spec, state, slot, valid, prob, n, version)
