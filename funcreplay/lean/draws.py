@@ -2,7 +2,8 @@
 
 The bit recipe (a native kernel reproduces it bit for bit):
 
-* **Words.** ``words(key, n)`` is ``jax.random.bits(key, (2, n), uint32)``: with
+* **Words.** ``words(key, n)`` equals ``jax.random.bits(key, (2, n), uint32)``
+  (computed by an unrolled threefry here: jax's rolls into a ``while`` on CPU): with
   the threefry-2x32 PRNG and ``jax_threefry_partitionable`` (the default since
   jax 0.5), word ``k`` of the flattened ``[2n]`` array is ``y0 ^ y1`` where
   ``(y0, y1) = threefry2x32(key, (0, k))``. Row ``i`` takes ``hi = words[0, i]``
@@ -42,9 +43,42 @@ import jax.numpy as jnp
 _U16 = jnp.uint32(0xFFFF)
 
 
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_PARITY = 0x1BD11BDA  # threefry's key-schedule constant
+
+
+def _rotl(x, r: int):
+  return (x << jnp.uint32(r)) | (x >> jnp.uint32(32 - r))
+
+
+def threefry2x32(k0, k1, x0, x1):
+  """Threefry-2x32 (20 rounds), unrolled: bit for bit ``jax``'s ``threefry2x32``.
+
+  jax lowers its own to a rolled ``while`` loop on CPU; this one has no loop
+  (a few dozen elementwise operations that XLA fuses into one kernel).
+  All arguments uint32 (broadcast); returns ``(y0, y1)``.
+  """
+  ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(_PARITY))
+  x0, x1 = x0 + ks[0], x1 + ks[1]
+  for i in range(5):
+    for r in _ROTATIONS[i % 2]:
+      x0 = x0 + x1
+      x1 = _rotl(x1, r) ^ x0
+    x0 = x0 + ks[(i + 1) % 3]
+    x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+  return x0, x1
+
+
 def words(key, n: int):
-  """``(hi, lo)``: two uint32[n] words of random bits from ``key`` (the recipe above)."""
-  w = jax.random.bits(key, (2, n), jnp.uint32)
+  """``(hi, lo)``: two uint32[n] words of random bits from ``key`` (the recipe above):
+  equal to ``jax.random.bits(key, (2, n), uint32)`` rows 0 and 1, without its loop."""
+  key = jnp.asarray(key)
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  k0, k1 = key[0].astype(jnp.uint32), key[1].astype(jnp.uint32)
+  count = jnp.arange(2 * n, dtype=jnp.uint32)  # flat index; its high word is 0
+  y0, y1 = threefry2x32(k0, k1, jnp.zeros_like(count), count)
+  w = (y0 ^ y1).reshape(2, n)
   return w[0], w[1]
 
 

@@ -18,6 +18,7 @@ import jax
 
 OPS = ("fusion", "gather", "scatter", "sort", "conditional", "while", "custom-call")
 _OPCODE = re.compile(r"=\s+(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9\-]*)\(")
+_COMMENT = re.compile(r"/\*.*?\*/")  # tuple shapes carry /*index=5*/ markers
 _SHAPE = re.compile(r"=\s+[a-z0-9]+\[([0-9,]*)\]")
 
 
@@ -26,7 +27,7 @@ def text_counts(hlo_text: str, big: int = 1 << 16) -> Dict[str, int]:
   ops: Counter = Counter()
   big_copies = 0
   for line in hlo_text.splitlines():
-    line = line.split(", metadata=")[0]
+    line = _COMMENT.sub("", line.split(", metadata=")[0])
     m = _OPCODE.search(line)
     if not m:
       continue
