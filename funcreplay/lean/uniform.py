@@ -10,10 +10,12 @@ Program (B = batch size, N = ``state.size``, C = capacity, P = tree size):
    uniformly random permutation of ``[0, N)`` (with ``replace``: B i.i.d.
    uniform integers in ``[0, N)``). O(B log B).
 2. ``slot = k-th occupied slot`` for ``k = x``: a descent of the occupancy
-   count tree (``trees.descend_count``), O(B log P), which XLA fuses into one
-   loop. Any bijection from ``[0, N)`` onto the occupied slots gives the same
+   count tree (``kth_occupied``, 4 levels per step), O(B log P). Any
+   bijection from ``[0, N)`` onto the occupied slots gives the same
    distribution; the descent works with holes, so there is no hole test, no
-   rejection and no fallback.
+   rejection and no fallback. It is also most of the program's cost in a
+   scan: an O(1) position -> slot map (``ring=True``, an experiment valid
+   only without holes) measured ~1.8x faster (LEAN_NOTES.md).
 3. Gather every data leaf and the info columns; ``times_sampled[slot] += 1``
    (one scatter-add); ``samples`` counter and ``limiter_diff``; with a
    ``version``, the ``sampled_staleness_sum`` counter.
