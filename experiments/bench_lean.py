@@ -29,10 +29,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
 from experiments.bench_core import _example, _Holder, _measure, _use, transitions  # noqa: E402
-from funcreplay.lean import hlo  # noqa: E402
-from funcreplay.lean import insert as lean_insert  # noqa: E402
-from funcreplay.lean import prioritized as lean_prio  # noqa: E402
-from funcreplay.lean import uniform as lean_uniform  # noqa: E402
+from funcreplay.core import hlo  # noqa: E402
+from funcreplay.core.ops import insert_lean as lean_insert  # noqa: E402
+from funcreplay.core.ops import priorities_lean as lean_update  # noqa: E402
+from funcreplay.core.sampling import prioritized_lean as lean_prio  # noqa: E402
+from funcreplay.core.sampling import uniform_lean as lean_uniform  # noqa: E402
 
 CAPACITY = 1 << 18
 STEPS = 50
@@ -56,7 +57,7 @@ class Lean:
                                ring=self.ring)
 
   def update_priorities(self, s, slots, keys, p):
-    return lean_prio.update_priorities(self.spec, s, slots, keys, p)
+    return lean_update.update_priorities(self.spec, s, slots, keys, p)
 
 
 def _filled(t, fill):

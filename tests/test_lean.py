@@ -1,4 +1,5 @@
-"""The lean portable programs (funcreplay/lean): exactness, invariants, leanness."""
+"""The lean portable programs (core/bits, core/ops/*_lean, core/sampling/*_lean): exactness,
+invariants, leanness."""
 
 import itertools
 
@@ -9,11 +10,12 @@ import pytest
 from scipy import stats
 
 import funcreplay as fr
-from funcreplay import trees
-from funcreplay.lean import draws, hlo
-from funcreplay.lean import insert as lean_insert
-from funcreplay.lean import prioritized as lean_prio
-from funcreplay.lean import uniform as lean_uniform
+from funcreplay.core import bits as draws
+from funcreplay.core import hlo, ops, trees
+from funcreplay.core.ops import insert_lean as lean_insert
+from funcreplay.core.ops import priorities_lean as lean_update
+from funcreplay.core.sampling import prioritized_lean as lean_prio
+from funcreplay.core.sampling import uniform_lean as lean_uniform
 
 EXAMPLE = {"x": np.zeros((3,), np.float32), "a": np.int32(0)}
 
@@ -140,7 +142,8 @@ def test_lean_insert_equals_the_general_insert(sampler, staleness):
   general, lean = t.init(), t.init()
   ins = jax.jit(lambda s, x, v, p: lean_insert.insert(spec, s, x, version=v, priority=p,
                                                       metadata={"m": v}))
-  gen = jax.jit(lambda s, x, v, p: t.insert(s, x, version=v, priority=p, metadata={"m": v}))
+  gen = jax.jit(lambda s, x, v, p: ops.insert(spec, s, x, version=v, priority=p,
+                                            metadata={"m": v}))  # the general program
   rng = np.random.default_rng(2)
   start = 0
   for step, b in enumerate([1, 3, 2, 5, 1, 4, 3, 7, 2]):
@@ -233,8 +236,8 @@ def test_lean_update_priorities_equals_the_general_one(sampler, k):
     slots = jnp.asarray(rng.integers(-1, 9, k).astype(np.int32))
     keys = st.key[jnp.clip(slots, 0, 7)] - jnp.asarray(rng.integers(0, 2, k), jnp.uint32)
     p = jnp.asarray(rng.choice([0.25, 3.0, -1.0, np.inf, 0.0], k).astype(np.float32))
-    want = t.update_priorities(st, slots, keys, p)
-    got = jax.jit(lambda s, a, b, c: lean_prio.update_priorities(spec, s, a, b, c))(
+    want = ops.update_priorities(spec, st, slots, keys, p)  # the general program
+    got = jax.jit(lambda s, a, b, c: lean_update.update_priorities(spec, s, a, b, c))(
         st, slots, keys, p)
     for x, y in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay import indexes, staleness, trees
-from funcreplay import rate_limiters as rl
-from funcreplay import selectors as sel
-from funcreplay.lean import ledger
-from funcreplay.spec import TableSpec
-from funcreplay.state import TableState
+from funcreplay.core import indexes, staleness, trees
+from funcreplay.core import ledger_update as ledger
+from funcreplay.core import rate_limiters as rl
+from funcreplay.core import selectors as sel
+from funcreplay.core.inplace import after
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import TableState
 
 
 def applies(spec: TableSpec, *, mask=None) -> bool:
@@ -37,24 +38,6 @@ def applies(spec: TableSpec, *, mask=None) -> bool:
 
 def _rows(x, b, dtype):
   return jnp.broadcast_to(jnp.asarray(x), (b,)).astype(dtype)
-
-
-def after(x, read):
-  """``x`` unchanged, but computed from ``read`` (a scalar, or ``x``'s shape).
-
-  XLA updates a donated column in place only if every read of it is ordered
-  before the write, and it orders by data dependencies only: the victims'
-  ``occupied`` / ``times_sampled`` values read here do not feed the writes of
-  those columns, so XLA would copy the whole column. A uint32 never has more
-  than 32 bits set, which XLA cannot prove, so this select always keeps
-  ``x`` and costs B elementwise operations fused into the write. Pass a
-  reduction of the reads (XLA re-fuses a gather into each consumer, and
-  each copy is a read of its own; a reduction is never duplicated).
-  """
-  bits = lax.population_count(read.astype(jnp.uint32))
-  # The never-taken value is derived from the reads too (a constant equal to
-  # ``x`` would let XLA fold the select away).
-  return jnp.where(bits > 32, bits.astype(x.dtype), x)
 
 
 def _take(col, slots):

@@ -15,14 +15,13 @@ from typing import Dict, Tuple
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay import state as state_lib
-from funcreplay.state import TableState
+from funcreplay.core import ledger as ledger_lib
+from funcreplay.core.state import TableState
 
 _U32 = jnp.uint32
-_SCALAR_WORD = {name: i for i, (name, _) in enumerate(state_lib.LEDGER_SCALARS)}
-_SCALAR_DTYPE = dict(state_lib.LEDGER_SCALARS)
-_COUNTER_WORD = dict(zip(state_lib.COUNTERS,
-                         state_lib.ledger_words()[len(state_lib.LEDGER_SCALARS):]))
+_SCALAR_WORD = ledger_lib.SLOTS
+_SCALAR_DTYPE = dict(ledger_lib.LEDGER_SCALARS)
+_COUNTER_WORD = ledger_lib.COUNTER_SLOTS
 
 
 def count(n) -> Tuple[jnp.ndarray, jnp.ndarray]:

@@ -6,7 +6,7 @@ no staleness mask and ``max_times_sampled == 0``. Any remover.
 Program (B batch, M = B + max(8, B // 2) candidates, T = ``weight_tree[1]``):
 
 1. ``M`` i.i.d. draws proportional to weight: ``u_m = (hi_m >> 8) * 2**-24``
-   (``draws.words(rng, M)``, a float32 in [0, 1)), target ``u_m * T``, one
+   (``bits.words(rng, M)``, a float32 in [0, 1)), target ``u_m * T``, one
    vectorized descent of the weight tree (``trees.descend_weight``,
    O(M log P), fused by XLA into one loop).
 2. Without replacement: keep the first occurrence of each slot, in draw
@@ -22,7 +22,7 @@ Program (B batch, M = B + max(8, B // 2) candidates, T = ``weight_tree[1]``):
 4. ``times_sampled`` scatter-add, counters, ``info.probability = w / T``.
 
 ``info.slot`` is returned data-dependent on every read of ``priority`` and
-of the weight tree in this call (``insert.after``), so a following
+of the weight tree in this call (``inplace.after``), so a following
 ``update_priorities(slots=info.slot, ...)`` in the same program updates both
 in place: XLA orders by data dependencies only, and would otherwise copy.
 
@@ -37,59 +37,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay import counters as ctr
-from funcreplay import indexes, trees
-from funcreplay import selectors as sel
-from funcreplay.lean import draws, uniform
-from funcreplay.lean.insert import after
-from funcreplay.spec import TableSpec
-from funcreplay.state import TableState
+from funcreplay.core import bits, indexes, trees
+from funcreplay.core import selectors as sel
+from funcreplay.core.inplace import after
+from funcreplay.core.sampling import uniform_lean as uniform
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import TableState
 
 _U24 = 2.0**-24  # float32 resolution of a uniform in [0, 1) from 24 random bits
-
-
-def applies_update(spec: TableSpec) -> bool:
-  """True when ``update_priorities`` below may replace ``ops.update_priorities`` (static):
-  no order tree (a ``Fifo`` or ``Uniform`` remover)."""
-  return not spec.needs_remover_tree
-
-
-def update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities):
-  """``ops.update_priorities`` for tables without an order tree, bit for bit.
-
-  Key guard (the slot must still hold ``keys``), last occurrence wins (one
-  packed sort of the K slots), bad priorities stored as 0 and counted, then
-  one float sum-tree refresh of the K leaves (O(K log P), never drifting).
-  """
-  if not applies_update(spec):
-    raise ValueError("lean update_priorities: the remover keeps an order tree.")
-  cap = spec.capacity
-  slots = jnp.asarray(slots, jnp.int32)
-  k = slots.shape[0]
-  keys = jnp.broadcast_to(jnp.asarray(keys, jnp.uint32), slots.shape)
-  p = jnp.broadcast_to(jnp.asarray(priorities, jnp.float32), slots.shape)
-  in_range = (slots >= 0) & (slots < cap)
-  safe = jnp.where(in_range, slots, 0)
-  ok = in_range & state.occupied[safe] & (state.key[safe] == keys)
-  # Last valid occurrence of each slot: sort (slot, row) pairs, keep each run's last.
-  s_slot, s_row = draws.sort_pairs(jnp.where(ok, safe, cap), cap + 1)
-  last_sorted = jnp.concatenate([s_slot[1:] != s_slot[:-1], jnp.ones((1,), bool)])
-  win = jnp.zeros((k,), bool).at[s_row].set(last_sorted, unique_indices=True) & ok
-  bad = ~jnp.isfinite(p) | (p < 0)
-  clean = jnp.where(bad, 0.0, p)
-  c = dict(state.counters)
-  c["invalid_priorities"] = ctr.add(c["invalid_priorities"],
-                                    jnp.sum(bad & win, dtype=jnp.uint32))
-  prio = state.priority.at[jnp.where(win, safe, cap)].set(clean, mode="drop")
-  max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(win, clean, 0.0), initial=0.0))
-  tree = state.weight_tree
-  if spec.prioritized:
-    w = indexes.sample_weight(spec, jnp.ones((k,), bool), clean)
-    if k == 1:  # keep the per-level updates real scatters (see indexes.refresh)
-      safe, w, win = (jnp.concatenate([a, a]) for a in (safe, w, win))
-      win = win & jnp.asarray([True, False])
-    tree = trees.refresh_sum(tree, safe, w, win)
-  return state.replace(priority=prio, weight_tree=tree, counters=c, max_priority=max_p)
 
 
 def applies(spec: TableSpec, *, version=None, where=None) -> bool:
@@ -103,7 +58,7 @@ def _first_b(d, b: int, n_max: int):
   """``(picked int32[b], n)``: the first ``b`` distinct values of ``d`` (int32[M] in
   ``[0, n_max)``) in order (-1 padded)."""
   m = d.shape[0]
-  s_d, s_pos = draws.sort_pairs(d, n_max)
+  s_d, s_pos = bits.sort_pairs(d, n_max)
   first_sorted = jnp.concatenate([jnp.ones((1,), bool), s_d[1:] != s_d[:-1]])
   first = jnp.zeros((m,), bool).at[s_pos].set(first_sorted, unique_indices=True)
   rank = jnp.cumsum(first.astype(jnp.int32)) - 1
@@ -137,7 +92,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   m = b if replace else b + max(8, b // 2)
   tree = state.weight_tree
   total = tree[1]
-  hi, _ = draws.words(rng, m)
+  hi, _ = bits.words(rng, m)
   u = (hi >> 8).astype(jnp.float32) * jnp.float32(_U24)
   d = trees.descend_weight(tree, u * total)
   alive = total > 0

@@ -6,7 +6,7 @@ staleness mask (``version`` None or no ``max_staleness``) and
 
 Program (B = batch size, N = ``state.size``, C = capacity, P = tree size):
 
-1. ``x = draws.without_replacement(rng, N, B)``: the first B entries of a
+1. ``x = bits.without_replacement(rng, N, B)``: the first B entries of a
    uniformly random permutation of ``[0, N)`` (with ``replace``: B i.i.d.
    uniform integers in ``[0, N)``). O(B log B).
 2. ``slot = k-th occupied slot`` for ``k = x``: a descent of the occupancy
@@ -15,7 +15,7 @@ Program (B = batch size, N = ``state.size``, C = capacity, P = tree size):
    distribution; the descent works with holes, so there is no hole test, no
    rejection and no fallback. It is also most of the program's cost in a
    scan: an O(1) position -> slot map (``ring=True``, an experiment valid
-   only without holes) measured ~1.8x faster (LEAN_NOTES.md).
+   only without holes) measured ~1.8x faster (BUILD.md "Lean portable programs").
 3. Gather every data leaf and the info columns; ``times_sampled[slot] += 1``
    (one scatter-add); ``samples`` counter and ``limiter_diff``; with a
    ``version``, the ``sampled_staleness_sum`` counter.
@@ -24,7 +24,7 @@ Invariants kept: only ``times_sampled`` and the ledger change, exactly as the
 general ``sampling.sample`` changes them for the same slots (rows valid for
 ``i < N``; invalid rows: slot -1, zero data, probability 0).
 
-Random bits: ``draws.words(rng, B)``; row ``i`` draws ``j_i = i +
+Random bits: ``bits.words(rng, B)``; row ``i`` draws ``j_i = i +
 floor((hi_i * 2**32 + lo_i) * (N - i) / 2**64)`` (with ``replace``: ``j_i =
 floor((hi_i * 2**32 + lo_i) * N / 2**64)``, used as ``x_i`` directly).
 """
@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from funcreplay import rate_limiters as rl
-from funcreplay import selectors as sel
-from funcreplay import trees
-from funcreplay.lean import draws, ledger
-from funcreplay.spec import TableSpec
-from funcreplay.state import Sample, SampleInfo, TableState
+from funcreplay.core import bits, trees
+from funcreplay.core import ledger_update as ledger
+from funcreplay.core import rate_limiters as rl
+from funcreplay.core import selectors as sel
+from funcreplay.core.inplace import materialize
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import Sample, SampleInfo, TableState
 
 
 def applies(spec: TableSpec, *, version=None, where=None) -> bool:
@@ -53,24 +53,10 @@ def applies(spec: TableSpec, *, version=None, where=None) -> bool:
 def positions(rng, n, b: int, replace: bool, n_max: int = 1 << 31):
   """``(x int32[b], valid bool[b])``: positions in ``[0, n)`` (distinct unless ``replace``)."""
   if not replace:
-    return draws.without_replacement(rng, n, b, n_max)
-  hi, lo = draws.words(rng, b)
-  x = draws.below(hi, lo, jnp.maximum(n, 1).astype(jnp.uint32)).astype(jnp.int32)
+    return bits.without_replacement(rng, n, b, n_max)
+  hi, lo = bits.words(rng, b)
+  x = bits.below(hi, lo, jnp.maximum(n, 1).astype(jnp.uint32)).astype(jnp.int32)
   return x, jnp.broadcast_to(n > 0, (b,))
-
-
-def materialize(x):
-  """``x`` (int32[B]), computed once.
-
-  XLA:CPU fuses a cheap-looking producer into each consumer, once per
-  *element* of the consumer: the tree descent (and the random words behind
-  it) were recomputed for every float of every gathered row, which inside
-  ``lax.scan`` cost ~1 ms per B = 256 sample (measured). A scatter is never
-  fused into its consumers, so writing ``x`` through one materializes it
-  (``lax.optimization_barrier`` does not: XLA:CPU removes it first).
-  """
-  rows = lax.iota(jnp.int32, x.shape[0])
-  return jnp.zeros_like(x).at[rows].set(x, unique_indices=True, indices_are_sorted=True)
 
 
 # Tree levels descended per step: one gather of the 2**_LEVELS nodes below the
