@@ -1,6 +1,7 @@
 """Lean ``insert`` into a ``Fifo`` ring: every row real (no ``mask``), any weight sampler.
 
-Applies (``applies``) when the remover is ``Fifo`` and no ``mask`` is given.
+Applies (``applies``) when the remover is exactly ``Fifo`` and no ``mask`` is given;
+``ops.insert`` then runs it (``make_table``'s portable insert).
 The B rows go to slots ``(write_pos + r) mod C``, ``r < B``, as in the
 general ``ops.insert``, and the resulting ``TableState`` is bit for bit the
 one the general path gives (tests/test_lean.py).
@@ -33,7 +34,8 @@ from funcreplay.core.state import TableState
 
 def applies(spec: TableSpec, *, mask=None) -> bool:
   """True when ``insert`` below may replace the general ``ops.insert`` (static)."""
-  return isinstance(spec.remover, sel.Fifo) and mask is None
+  # The exact type: a Fifo variant that fills holes first is not a ring.
+  return type(spec.remover) is sel.Fifo and mask is None
 
 
 def _rows(x, b, dtype):

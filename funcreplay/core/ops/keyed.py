@@ -9,6 +9,7 @@ from jax import lax
 
 from funcreplay.core import counters as ctr
 from funcreplay.core import executor, indexes
+from funcreplay.core.ops import priorities_lean
 from funcreplay.core.ops.rows import key_matches as _key_matches
 from funcreplay.core.ops.rows import last_occurrence
 from funcreplay.core.ops.rows import sanitize_priorities as _sanitize_priorities
@@ -37,6 +38,8 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
 
 
 def _update_priorities(spec, state, slots, keys, priorities):
+  if priorities_lean.applies(spec):  # no order tree: the lean program, bit for bit this one
+    return priorities_lean.update_priorities(spec, state, slots, keys, priorities)
   safe, ok = _key_matches(state, slots, keys)
   win = last_occurrence(safe, ok)
   clean, n_bad = _sanitize_priorities(priorities, win)
