@@ -1,19 +1,25 @@
-"""Lean portable programs vs the current portable programs vs flashbax, inside ``lax.scan``.
+"""Issue 25's in-scan cases: funcreplay portable and native vs flashbax inside ``lax.scan``.
 
-CPU, native kernels off, flashbax 0.1.3 in the same scan, capacity 262,144,
-the 524-byte transition of ``bench_core``, every sampled leaf consumed (so
-XLA keeps every gather). Cases (K steps per jitted scan call):
+CPU, flashbax 0.1.3 in the same scan, capacity 262,144, the 524-byte
+transition of ``bench_core``, every sampled leaf consumed (so XLA keeps every
+gather). Cases (K steps per jitted scan call):
 
 - ``insert b16 + uniform sample b256`` per step (ours: without replacement);
 - ``insert b1`` per step;
 - ``prioritized sample b256 + update_priorities`` per step (write-back of
   ``|reward| + 0.01``; ours without replacement, flashbax with).
 
+Ours: ``make_table(spec, native=False)`` (the portable programs; the lean ones
+where they apply, BUILD.md "Lean portable programs") and ``native=True`` (the
+CPU kernels). ``--ring`` adds the lean uniform sample with ring slots (valid
+only without holes: what an O(1) position -> slot map would give).
+
 Runners are measured round-robin (``--rounds`` rounds), medians reported, with
 the ratio ``flashbax seconds / ours seconds`` (> 1: ours faster). ``--hlo``
-also prints the operation counts of the compiled uniform sample b256.
+prints the operation counts of the compiled programs (``funcreplay.core.hlo``).
+``python experiments/bench_core.py --scan`` runs this too.
 
-  PYTHONPATH=. python experiments/bench_lean.py --rounds=5
+  PYTHONPATH=. python experiments/bench_scan.py --rounds=5 --hlo
 """
 
 from __future__ import annotations
@@ -29,35 +35,25 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
 from experiments.bench_core import _example, _Holder, _measure, _use, transitions  # noqa: E402
-from funcreplay.core import hlo  # noqa: E402
-from funcreplay.core.ops import insert_lean as lean_insert  # noqa: E402
-from funcreplay.core.ops import priorities_lean as lean_update  # noqa: E402
-from funcreplay.core.sampling import prioritized_lean as lean_prio  # noqa: E402
-from funcreplay.core.sampling import uniform_lean as lean_uniform  # noqa: E402
+from funcreplay.core import hlo, ops  # noqa: E402
+from funcreplay.core.sampling import uniform_lean  # noqa: E402
 
 CAPACITY = 1 << 18
 STEPS = 50
 INS, SMP = 16, 256
 
 
-class Lean:
-  """The lean programs behind the ``make_table`` method names the benchmark calls."""
+class LeanRing:
+  """The portable table with the lean uniform sample on ring slots (``ring=True``)."""
 
-  def __init__(self, spec, ring=False):
-    self.spec, self.ring = spec, ring
-    self.init = fr.make_table(spec, native=False).init
-
-  def insert(self, s, x, version=0):
-    return lean_insert.insert(self.spec, s, x, version=version)
+  def __init__(self, spec):
+    self.spec = spec
+    t = fr.make_table(spec, native=False)
+    self.init, self.insert = t.init, t.insert
 
   def sample(self, s, key, *, batch_size, replace=False):
-    if self.spec.prioritized:
-      return lean_prio.sample(self.spec, s, key, batch_size=batch_size, replace=replace)
-    return lean_uniform.sample(self.spec, s, key, batch_size=batch_size, replace=replace,
-                               ring=self.ring)
-
-  def update_priorities(self, s, slots, keys, p):
-    return lean_update.update_priorities(self.spec, s, slots, keys, p)
+    return uniform_lean.sample(self.spec, s, key, batch_size=batch_size, replace=replace,
+                               ring=True)
 
 
 def _filled(t, fill):
@@ -160,7 +156,7 @@ def prioritized_runners(tables, fbx, fill, target_s):
 
 
 def hlo_counts(fbx):
-  """Operation counts of the compiled uniform sample b256: lean, current portable, flashbax."""
+  """Operation counts of the compiled programs, ours (portable) and flashbax's."""
   spec = fr.TableSpec(CAPACITY, _example())
   t = fr.make_table(spec, native=False)
   st, key = t.init(), jax.random.PRNGKey(0)
@@ -168,29 +164,37 @@ def hlo_counts(fbx):
                              add_batches=True)
   pspec = spec.replace(sampler=fr.Prioritized(0.6))
   pt = fr.make_table(pspec, native=False)
+  x16 = jax.tree_util.tree_map(jnp.asarray, transitions(INS))
+  x1 = jax.tree_util.tree_map(lambda a: a[:1], x16)
+  # The general insert (what ``insert`` runs with a mask): a comparison point.
+  general_insert = lambda s, x: ops.insert(spec, s, x, mask=jnp.ones((x["reward"].shape[0],),  # noqa: E731
+                                                                      bool))
   return {
-      "lean uniform": hlo.counts(lambda s, k: lean_uniform.sample(spec, s, k, batch_size=SMP),
-                                 st, key, donate_argnums=0),
-      "portable uniform": hlo.counts(lambda s, k: t.sample(s, k, batch_size=SMP), st, key,
-                                     donate_argnums=0),
-      "flashbax uniform": hlo.counts(lambda s, k: (s, buf.sample(s, k).experience),
-                                     buf.init(_example()), key, donate_argnums=0),
-      "lean prioritized": hlo.counts(lambda s, k: lean_prio.sample(pspec, s, k, batch_size=SMP),
-                                     pt.init(), key, donate_argnums=0),
-      "portable prioritized": hlo.counts(lambda s, k: pt.sample(s, k, batch_size=SMP),
-                                         pt.init(), key, donate_argnums=0),
+      "uniform sample b256": hlo.counts(lambda s, k: t.sample(s, k, batch_size=SMP), st, key,
+                                        donate_argnums=0),
+      "flashbax uniform sample b256": hlo.counts(lambda s, k: (s, buf.sample(s, k).experience),
+                                                 buf.init(_example()), key, donate_argnums=0),
+      "prioritized sample b256": hlo.counts(lambda s, k: pt.sample(s, k, batch_size=SMP),
+                                            pt.init(), key, donate_argnums=0),
+      "insert b16": hlo.counts(t.insert, st, x16, donate_argnums=0),
+      "insert b1": hlo.counts(t.insert, st, x1, donate_argnums=0),
+      "general (masked) insert b16": hlo.counts(general_insert, st, x16, donate_argnums=0),
+      "flashbax add b16": hlo.counts(buf.add, buf.init(_example()), x16, donate_argnums=0),
   }
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--target_s", type=float, default=0.15)
   ap.add_argument("--cases", default="uniform,prioritized")
   ap.add_argument("--hlo", action="store_true")
-  ap.add_argument("--no_portable", action="store_true")
   ap.add_argument("--ring", action="store_true", help="also lean with ring slots (no holes)")
-  a = ap.parse_args()
+  run(ap.parse_args(argv))
+
+
+def run(a):
+  """Print the HLO counts (``a.hlo``) and the in-scan ratios of ``a.cases``."""
   import flashbax as fbx
   chunk = jax.device_put(transitions(1 << 14, seed=1))
   fill = [chunk] * (CAPACITY // (1 << 14))
@@ -201,16 +205,15 @@ def main():
         f"{a.rounds} interleaved rounds (medians)")
   if a.hlo:
     for k, v in hlo_counts(fbx).items():
-      print(f"HLO {k:<22} {v}")
+      print(f"HLO {k:<30} {v}")
   for case in a.cases.split(","):
     spec = fr.TableSpec(CAPACITY, _example())
     if case == "prioritized":
       spec = spec.replace(sampler=fr.Prioritized(0.6))
-    tables = {"lean": Lean(spec)}
+    tables = {"portable": fr.make_table(spec, native=False),
+              "native": fr.make_table(spec, native=True)}
     if case == "uniform" and a.ring:  # what an O(1) position -> slot map would give
-      tables["lean-ring"] = Lean(spec, ring=True)
-    if not a.no_portable:
-      tables["portable"] = fr.make_table(spec, native=False)
+      tables["lean-ring"] = LeanRing(spec)
     if case == "uniform":
       runners = uniform_runners(tables, fbx, fill, xs16, xs1, a.target_s)
       kinds = ("scan", "insert1")
