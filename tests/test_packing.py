@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcreplay as fr
-from funcreplay.core import packing
+from funcreplay.core import packing, selectors
 from tests.helpers import host_sample
 
 pytestmark = pytest.mark.usefixtures("both_implementations")
@@ -135,8 +135,8 @@ def test_table_sample_packed_equals_sample_on_a_twin_table(kw):
   spec = fr.TableSpec(32, example, metadata=("task",), **kw)
   plain, packed = _filled_table(spec, 7), _filled_table(spec, 7)
   calls = [dict(batch_size=5), dict(batch_size=8, where={"task": 1}),
-           dict(batch_size=40 if not fr.selectors.is_ordered(spec.sampler) else 4,
-                replace=not fr.selectors.is_ordered(spec.sampler), min_valid=1),
+           dict(batch_size=40 if not selectors.is_ordered(spec.sampler) else 4,
+                replace=not selectors.is_ordered(spec.sampler), min_valid=1),
            dict(batch_size=6, version=6, min_valid=0)]
   for kwargs in calls:
     a = plain.sample(**kwargs)

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 
 import funcreplay as fr
+from funcreplay.core import selectors
 from tests.helpers import ITEM, assert_trees_consistent, counters_dict, items_from_ids, jitted
 from tests.reference import RefTable
 
@@ -112,7 +113,7 @@ def test_matches_reference(sampler, remover, max_times, ops, seed):
         assert int(batch.data["x"][row]) == ref.payload[s]
         assert int(batch.info.key[row]) == ref.key[s]
       assert (np.asarray(batch.data["x"])[~valid] == 0).all()
-      if fr.selectors.is_ordered(spec.sampler):
+      if selectors.is_ordered(spec.sampler):
         assert slots == ref.expected_ordered_sample(B_SAMPLE, version, where)
       ref.apply_sample(slots, version)
     elif kind in ("delete", "update"):
