@@ -12,6 +12,7 @@ from scipy import stats
 import funcreplay as fr
 from funcreplay.core import bits as draws
 from funcreplay.core import hlo, ops, trees
+from funcreplay.core.ops import keyed
 from funcreplay.core.ops import insert_lean as lean_insert
 from funcreplay.core.ops import priorities_lean as lean_update
 from funcreplay.core.sampling import prioritized_lean as lean_prio
@@ -142,8 +143,10 @@ def test_lean_insert_equals_the_general_insert(sampler, staleness):
   general, lean = t.init(), t.init()
   ins = jax.jit(lambda s, x, v, p: lean_insert.insert(spec, s, x, version=v, priority=p,
                                                       metadata={"m": v}))
+  # With a mask ops.insert runs the general program (without one, the lean one).
   gen = jax.jit(lambda s, x, v, p: ops.insert(spec, s, x, version=v, priority=p,
-                                            metadata={"m": v}))  # the general program
+                                            mask=jnp.ones((x["a"].shape[0],), bool),
+                                            metadata={"m": v}))
   rng = np.random.default_rng(2)
   start = 0
   for step, b in enumerate([1, 3, 2, 5, 1, 4, 3, 7, 2]):
@@ -155,7 +158,7 @@ def test_lean_insert_equals_the_general_insert(sampler, staleness):
       for st_name in ("general", "lean"):
         s = locals()[st_name]
         s = t.delete(s, jnp.asarray([1]), s.key[jnp.asarray([1])])
-        s, _ = t.sample(s, jax.random.PRNGKey(0), batch_size=2)
+        s, _ = t.sample(s, jax.random.PRNGKey(0), batch_size=2, version=step)
         if st_name == "general":
           general = s
         else:
@@ -236,7 +239,7 @@ def test_lean_update_priorities_equals_the_general_one(sampler, k):
     slots = jnp.asarray(rng.integers(-1, 9, k).astype(np.int32))
     keys = st.key[jnp.clip(slots, 0, 7)] - jnp.asarray(rng.integers(0, 2, k), jnp.uint32)
     p = jnp.asarray(rng.choice([0.25, 3.0, -1.0, np.inf, 0.0], k).astype(np.float32))
-    want = ops.update_priorities(spec, st, slots, keys, p)  # the general program
+    want = keyed.general_update_priorities(spec, st, slots, keys, p)
     got = jax.jit(lambda s, a, b, c: lean_update.update_priorities(spec, s, a, b, c))(
         st, slots, keys, p)
     for x, y in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):

@@ -38,8 +38,16 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
 
 
 def _update_priorities(spec, state, slots, keys, priorities):
-  if priorities_lean.applies(spec):  # no order tree: the lean program, bit for bit this one
+  if priorities_lean.applies(spec):  # no order tree: the lean program, bit for bit the general
     return priorities_lean.update_priorities(spec, state, slots, keys, priorities)
+  return general_update_priorities(spec, state, slots, keys, priorities)
+
+
+def general_update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities):
+  """The general ``update_priorities`` program (any remover; arguments as arrays).
+
+  Public as the oracle of ``priorities_lean`` (tests/test_lean.py).
+  """
   safe, ok = _key_matches(state, slots, keys)
   win = last_occurrence(safe, ok)
   clean, n_bad = _sanitize_priorities(priorities, win)
