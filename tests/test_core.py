@@ -266,7 +266,7 @@ def test_evict_stale_and_stats():
   state = f["insert"](state, items_from_ids([3, 4]), version=2)
   table = fr.make_table(spec)
   assert int(table.count(state, version=2)) == 2
-  assert int(state.size) == 5
+  assert int(table.count(state)) == 5
   state = f["evict"](state, 2)
   assert int(state.size) == 2
   s = table.stats(state).to_dict()

@@ -17,16 +17,21 @@ def _filled(spec, native=False):
   return t, t.insert(t.init(), {"x": jnp.ones((6, 2))}, version=0)
 
 
-@pytest.mark.parametrize("call", ["sample", "count", "eligible", "can_sample"])
-def test_staleness_without_version_is_an_error(call):
+def test_staleness_without_version_is_an_error():
   t, st = _filled(fr.TableSpec(8, EXAMPLE, max_staleness=2))
-  run = {"sample": lambda **kw: t.sample(st, jax.random.PRNGKey(0), batch_size=2, **kw),
-         "count": lambda **kw: t.count(st, **kw),
-         "eligible": lambda **kw: t.eligible(st, **kw),
-         "can_sample": lambda **kw: t.can_sample(st, 2, **kw)}[call]
   with pytest.raises(ValueError, match="max_staleness=2.*version="):
-    run()
-  run(version=1)  # with a version it works
+    t.sample(st, jax.random.PRNGKey(0), batch_size=2)
+  _, out = t.sample(st, jax.random.PRNGKey(0), batch_size=2, version=1)  # with one it works
+  assert np.asarray(out.valid).all()
+  _, out = t.sample(st, jax.random.PRNGKey(0), batch_size=2, version=3)  # all stale
+  assert not np.asarray(out.valid).any()
+
+
+def test_queries_without_version_have_the_staleness_mask_off():
+  t, st = _filled(fr.TableSpec(8, EXAMPLE, max_staleness=2))
+  assert int(t.count(st)) == 6 and int(t.count(st, version=3)) == 0
+  assert int(t.eligible(st).sum()) == 6 and bool(t.can_sample(st, 6))
+  assert not bool(t.can_sample(st, 1, version=3))
 
 
 def test_without_max_staleness_version_is_optional():

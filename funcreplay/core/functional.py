@@ -20,8 +20,10 @@ class FunctionalTable(NamedTuple):
   The query functions share one signature: ``sample(state, rng, *, batch_size,
   version=None, where=None, replace=False, stratified=False)``, ``count(state, *,
   version=None, where=None)``, ``eligible(state, *, version=None, where=None)``,
-  ``can_sample(state, batch_size=1, *, version=None, where=None)``; with
-  ``spec.max_staleness`` set each needs ``version`` (a ``ValueError`` otherwise).
+  ``can_sample(state, batch_size=1, *, version=None, where=None)``. With
+  ``spec.max_staleness`` set, ``sample`` needs ``version`` (a ``ValueError``
+  otherwise: it would hand out stale items); the queries without ``version``
+  answer with the staleness mask off (e.g. ``count`` = every stored item).
   The host-only switches of the sampling engine (``enabled``, ``split_key``,
   ``packed``) are not here: the host ``Table`` (``host/programs.py``) uses them.
   """
@@ -70,19 +72,18 @@ def make_table(spec: TableSpec, *,
                            where=where, replace=replace, stratified=stratified, native=native)
 
   def count(state, *, version=None, where=None):
-    """int32[]: the items a ``sample`` with these arguments may return."""
-    require_version(spec, version, "count")
+    """int32[]: the items a ``sample`` with these arguments may return (without
+    ``version``: the staleness mask off)."""
     return ops.count(spec, state, where=where, version=version)
 
   def eligible(state, *, version=None, where=None):
-    """bool[C]: the slots a ``sample`` with these arguments may return."""
-    require_version(spec, version, "eligible")
+    """bool[C]: the slots a ``sample`` with these arguments may return (without
+    ``version``: the staleness mask off)."""
     return ops.eligible_mask(spec, state, version=version, where=where)
 
   def can_sample(state, batch_size: int = 1, *, version=None, where=None):
     """bool[]: the rate limiter admits a ``sample`` of ``batch_size`` and enough items
-    are eligible."""
-    require_version(spec, version, "can_sample")
+    are eligible (without ``version``: the staleness mask off)."""
     return ops.can_sample(spec, state, batch_size, version=version, where=where)
 
   return FunctionalTable(
@@ -111,4 +112,4 @@ def require_version(spec: TableSpec, version, what: str) -> None:
   if spec.max_staleness is not None and version is None:
     raise ValueError(f"{what}: the spec sets max_staleness={spec.max_staleness}, so pass "
                      "version= (the current policy version); without it stale items would "
-                     "count as eligible.")
+                     "be sampled.")
