@@ -63,8 +63,8 @@ def test_host_only_switches_are_not_in_the_pure_sample(switch):
 
 def test_native_kernels_are_built_with_the_table_never_in_a_trace(monkeypatch):
   calls = []
-  real_build = native_lib.build
-  monkeypatch.setattr(native_lib, "build", lambda: calls.append("build") or real_build())
+  real_build = native_lib.ensure_built
+  monkeypatch.setattr(native_lib, "ensure_built", lambda: calls.append("build") or real_build())
   spec = fr.TableSpec(8, EXAMPLE, sampler=fr.Prioritized(1.0))
   t = fr.make_table(spec, native=True)
   assert calls == ["build"]  # when the programs are built
@@ -72,7 +72,7 @@ def test_native_kernels_are_built_with_the_table_never_in_a_trace(monkeypatch):
   def never(*_):
     raise AssertionError("the native library was built or loaded inside a trace")
 
-  for name in ("build", "load", "available"):
+  for name in ("ensure_built", "load", "available"):
     monkeypatch.setattr(native_lib, name, never)
   st = jax.jit(t.insert)(t.init(), {"x": jnp.ones((3, 2))})
   jax.jit(lambda s, k: t.sample(s, k, batch_size=2)).lower(st, jax.random.PRNGKey(0))

@@ -37,7 +37,7 @@ from funcreplay.core import selectors as sel
 from funcreplay.core.spec import TableSpec
 from funcreplay.native.build import error, load, loaded
 
-__all__ = ["available", "build", "default", "error", "ledger_attr", "loaded", "set_default",
+__all__ = ["available", "default", "ensure_built", "error", "ledger_attr", "loaded", "set_default",
            "supports_insert", "supports_sample", "supports_update_priorities"]
 
 _default = [True]
@@ -58,7 +58,7 @@ def available() -> bool:
   return load()
 
 
-def build() -> bool:
+def ensure_built() -> bool:
   """Build (if needed), load and register the kernels now; True on success.
 
   ``fr.make_table`` and the host ``Table`` call this when they build their

@@ -51,9 +51,9 @@ NATIVE = NativeExecutor()
 def choose(native: Optional[bool]) -> Optional[NativeExecutor]:
   """The executor for ``native`` (None: ``funcreplay.native.default()``): ``NATIVE`` or None.
 
-  Choosing ``NATIVE`` builds and loads the kernels here (``funcreplay.native.build``).
+  Choosing ``NATIVE`` builds and loads the kernels here (``funcreplay.native.ensure_built``).
   """
   use = native_lib.default() if native is None else bool(native)
   if use:
-    native_lib.build()  # now, when the programs are built: never inside a trace
+    native_lib.ensure_built()  # now, when the programs are built: never inside a trace
   return NATIVE if use else None
