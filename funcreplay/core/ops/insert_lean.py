@@ -88,12 +88,15 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   reuse_sum = ledger.total(reuse, old_occ)
 
   hist, bounds = state.version_hist, state.version_bounds
+  new_versions = versions
   if spec.max_staleness is not None:  # the same order as ops.insert: advance, remove, add
     every = jnp.ones((b,), bool)
+    old_versions = _take(state.version, slots)
     hist, bounds = staleness.advance(spec, hist, bounds, versions, every)
-    hist, bounds = staleness.on_remove(spec, hist, bounds, _take(state.version, slots),
-                                         old_occ)
+    hist, bounds = staleness.on_remove(spec, hist, bounds, old_versions, old_occ)
     hist, bounds = staleness.add(spec, hist, bounds, versions, every)
+    # The victims' versions are read above: order that read before the column's write.
+    new_versions = after(versions, jnp.sum(old_versions.astype(jnp.uint32), dtype=jnp.uint32))
 
   put = lambda col, x: _put(col, slots, x, start)  # noqa: E731
   occ_tree = trees.refresh_count(state.occ_tree, slots, jnp.ones((b,), jnp.int32))
@@ -110,7 +113,7 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
       data=jax.tree_util.tree_map(put, state.data, items),
       occupied=put(state.occupied, after(jnp.ones((b,), bool), n_evicted)),
       key=put(state.key, keys),
-      version=put(state.version, versions),
+      version=put(state.version, new_versions),
       times_sampled=put(state.times_sampled, after(jnp.zeros((b,), jnp.int32),
                                                         reuse_sum[0] ^ reuse_sum[1])),
       priority=put(state.priority, prios),
