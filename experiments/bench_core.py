@@ -33,6 +33,7 @@ call (sampled data included) are kept alive and waited for, so XLA cannot drop
 the gather. Peers that do not import are skipped with a printed line.
 
   python experiments/bench_core.py --small --out=results/bench_core.json
+  python experiments/bench_core.py --scan   # issue 25's in-scan cases (bench_scan.py)
 """
 
 from __future__ import annotations
@@ -528,6 +529,10 @@ def main(argv):
   del argv
   from absl import flags
   f = flags.FLAGS
+  if f.scan:  # issue 25's in-scan cases, portable and native vs flashbax (bench_scan.py)
+    from experiments import bench_scan
+    bench_scan.main(["--hlo", f"--rounds={f.scan_rounds}"])
+    return
   rows = run(f.small)
   for r in rows:
     print(f"{r['case']:<48} {r['funcreplay']:>14,.0f} {r['peer']:>14,.0f} {r['unit']:>8} "
@@ -542,4 +547,7 @@ if __name__ == "__main__":
   from absl import app, flags
   flags.DEFINE_bool("small", False, "CI-sized run")
   flags.DEFINE_string("out", "", "JSON output ('' = none)")
+  flags.DEFINE_bool("scan", False, "run only issue 25's in-scan cases and HLO counts "
+                    "(experiments/bench_scan.py)")
+  flags.DEFINE_integer("scan_rounds", 5, "interleaved rounds of the --scan cases")
   app.run(main)

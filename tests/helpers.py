@@ -10,7 +10,8 @@ import numpy as np
 
 import funcreplay as fr
 from funcreplay.core import counters as ctr
-from funcreplay.core import indexes
+from funcreplay.core import indexes, sampling
+from funcreplay.native import executor
 
 ITEM = {"x": jax.ShapeDtypeStruct((), jnp.int32), "y": jax.ShapeDtypeStruct((2,), jnp.float32)}
 
@@ -75,3 +76,10 @@ def assert_trees_consistent(spec: fr.TableSpec, state: fr.TableState):
 
 def counters_dict(state):
   return {k: ctr.to_int(v) for k, v in state.counters.items()}
+
+
+def host_sample(spec: fr.TableSpec):
+  """The sampling engine with the host-only switches (``enabled``, ``split_key``,
+  ``packed``) as the host ``Table`` runs it (host/programs.py); the pure
+  ``make_table(spec).sample`` does not take them."""
+  return functools.partial(sampling.sample, spec, native=executor.choose(None))

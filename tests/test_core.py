@@ -16,7 +16,7 @@ from scipy import stats as sstats
 import funcreplay as fr
 from funcreplay.core import counters as ctr
 from funcreplay.core import indexes
-from tests.helpers import ITEM, counters_dict, items_from_ids, jitted
+from tests.helpers import ITEM, counters_dict, host_sample, items_from_ids, jitted
 
 # Every test here runs against both implementations (see conftest.py).
 pytestmark = pytest.mark.usefixtures("both_implementations")
@@ -415,9 +415,8 @@ def test_sample_enabled_false_changes_nothing():
   """``enabled=False`` (a traced gate): the state comes back unchanged, every row
   is invalid with slot -1, and num_eligible still reports the eligible count."""
   spec = fr.TableSpec(16, ITEM, max_times_sampled=1, max_staleness=2)
-  t = fr.make_table(spec)
   state = _fill(spec, 10, version=3)
-  f = jax.jit(lambda s, k, on: t.sample(s, k, batch_size=4, version=4, enabled=on))
+  f = jax.jit(lambda s, k, on: host_sample(spec)(s, k, batch_size=4, version=4, enabled=on))
   new, out = f(state, jax.random.PRNGKey(0), False)
   for a, e in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(e))
@@ -433,9 +432,8 @@ def test_sample_split_key_gives_a_key_sequence():
   """``split_key=True`` returns the next key: same key, same (batch, next key);
   following the sequence gives fresh batches; raw and typed keys keep their type."""
   spec = fr.TableSpec(64, ITEM)
-  t = fr.make_table(spec)
   state = _fill(spec, 64)
-  f = jax.jit(lambda s, k: t.sample(s, k, batch_size=8, split_key=True))
+  f = jax.jit(lambda s, k: host_sample(spec)(s, k, batch_size=8, split_key=True))
   for key in (jax.random.PRNGKey(3), jax.random.key(3)):
     _, a, k1 = f(state, key)
     _, b, k1b = f(state, key)
@@ -449,7 +447,8 @@ def test_sample_split_key_gives_a_key_sequence():
       seen.add(tuple(np.asarray(out.info.slot).tolist()))
     assert len(seen) == 6
     # A disabled call samples nothing and keeps the key.
-    g = jax.jit(lambda s, k: t.sample(s, k, batch_size=8, split_key=True, enabled=False))
+    g = jax.jit(lambda s, k: host_sample(spec)(s, k, batch_size=8, split_key=True,
+                                                    enabled=False))
     _, out, k2 = g(state, key)
     assert not np.asarray(out.valid).any()
     np.testing.assert_array_equal(jax.random.key_data(k2) if k2.dtype != jnp.uint32 else k2,

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import funcreplay as fr
 from funcreplay.core import packing
 from funcreplay.core import selectors as sel
+from tests.helpers import host_sample
 
 pytestmark = pytest.mark.usefixtures("both_implementations")
 
@@ -169,7 +170,7 @@ def test_functional_sample_packed_under_jit_and_scan():
 
   def step(carry, _):
     st, key = carry
-    st, p, key = t.sample(st, key, batch_size=8, split_key=True, packed=True)
+    st, p, key = host_sample(spec)(st, key, batch_size=8, split_key=True, packed=True)
     return (st, key), p.buffer
 
   (st_p, _), bufs = jax.jit(lambda s, k: jax.lax.scan(step, (s, k), None, length=3))(
@@ -177,7 +178,7 @@ def test_functional_sample_packed_under_jit_and_scan():
 
   def step_plain(carry, _):
     st, key = carry
-    st, s, key = t.sample(st, key, batch_size=8, split_key=True)
+    st, s, key = host_sample(spec)(st, key, batch_size=8, split_key=True)
     return (st, key), s
 
   (st_s, _), smps = jax.jit(lambda s, k: jax.lax.scan(step_plain, (s, k), None, length=3))(
@@ -197,13 +198,13 @@ def test_disabled_packed_sample_is_all_invalid_and_changes_nothing(replace):
   t = fr.make_table(spec)
   state = t.insert(t.init(), {"x": jnp.ones((20, 3)), "e": jnp.zeros((20, 0, 2), jnp.int16)},
                    version=0)
-  fn = jax.jit(lambda s, k, on: t.sample(s, k, batch_size=8, replace=replace, enabled=on,
-                                         split_key=True, packed=True))
+  fn = jax.jit(lambda s, k, on: host_sample(spec)(s, k, batch_size=8, replace=replace,
+                                                   enabled=on, split_key=True, packed=True))
   lay = packing.layout(spec.signature, 8)
   for on in (False, True):
     new, p, key = fn(state, jax.random.PRNGKey(3), on)
-    _, ref, ref_key = jax.jit(lambda s, k, on: t.sample(s, k, batch_size=8, replace=replace,
-                                                        enabled=on, split_key=True))(
+    _, ref, ref_key = jax.jit(lambda s, k, on: host_sample(spec)(
+        s, k, batch_size=8, replace=replace, enabled=on, split_key=True))(
         state, jax.random.PRNGKey(3), on)
     _assert_same_sample(ref, p.unpack())
     _assert_zero_padding(p.buffer, lay)

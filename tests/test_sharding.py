@@ -145,7 +145,7 @@ def test_sharded_ops_equal_per_shard_tables(mesh):
   assert got["max_priority"] == max(p["max_priority"] for p in per)
   assert got["capacity"] == 32
   elig = np.asarray(t.eligible(st, version=6))
-  np.testing.assert_array_equal(elig, np.stack([t.local.eligible(r, 6) for r in refs]))
+  np.testing.assert_array_equal(elig, np.stack([t.local.eligible(r, version=6) for r in refs]))
 
 
 def test_invariants_match_unsharded_table(mesh):

@@ -17,7 +17,7 @@ import pytest
 
 import funcreplay as fr
 from funcreplay import Table, TableClosedError
-from tests.helpers import ITEM, counters_dict, items_from_ids, jitted
+from tests.helpers import ITEM, counters_dict, host_sample, items_from_ids, jitted
 
 # Every test here runs against both implementations (see conftest.py).
 pytestmark = pytest.mark.usefixtures("both_implementations")
@@ -83,7 +83,7 @@ def test_host_table_matches_pure_functions():
   t.set_version(1)
   smp = t.sample(4)
   # The Table keeps a key sequence: each sample uses the key and moves to the next.
-  sample_split = jax.jit(functools.partial(j["table"].sample, batch_size=4, split_key=True))
+  sample_split = jax.jit(functools.partial(host_sample(SPEC), batch_size=4, split_key=True))
   state, ref, rng = sample_split(state, rng, version=jnp.int32(1))
   assert_same_tree(smp, ref)
   assert bool(np.all(smp.valid))

@@ -97,3 +97,35 @@ def settle(state, reads, capacity: int):
   flag = never(reads)
   return jax.tree_util.tree_map(
       lambda x: tie(x, flag) if x.ndim >= 1 and x.shape[0] >= capacity else x, state)
+
+
+def after(x, read):
+  """``x`` unchanged, but computed from ``read`` (a scalar, or ``x``'s shape).
+
+  XLA updates a donated column in place only if every read of it is ordered
+  before the write, and it orders by data dependencies only: the victims'
+  ``occupied`` / ``times_sampled`` values read here do not feed the writes of
+  those columns, so XLA would copy the whole column. A uint32 never has more
+  than 32 bits set, which XLA cannot prove, so this select always keeps
+  ``x`` and costs B elementwise operations fused into the write. Pass a
+  reduction of the reads (XLA re-fuses a gather into each consumer, and
+  each copy is a read of its own; a reduction is never duplicated).
+  """
+  bits = lax.population_count(read.astype(jnp.uint32))
+  # The never-taken value is derived from the reads too (a constant equal to
+  # ``x`` would let XLA fold the select away).
+  return jnp.where(bits > 32, bits.astype(x.dtype), x)
+
+
+def materialize(x):
+  """``x`` (int32[B]), computed once.
+
+  XLA:CPU fuses a cheap-looking producer into each consumer, once per
+  *element* of the consumer: the tree descent (and the random words behind
+  it) were recomputed for every float of every gathered row, which inside
+  ``lax.scan`` cost ~1 ms per B = 256 sample (measured). A scatter is never
+  fused into its consumers, so writing ``x`` through one materializes it
+  (``lax.optimization_barrier`` does not: XLA:CPU removes it first).
+  """
+  rows = lax.iota(jnp.int32, x.shape[0])
+  return jnp.zeros_like(x).at[rows].set(x, unique_indices=True, indices_are_sorted=True)

@@ -137,7 +137,7 @@ def eligible(ctx, state, version=None, where=None):
   ver = None if version is None else jnp.asarray(version, jnp.int32)
 
   def per_shard(st, v, wh):
-    return local.eligible(_squeeze(st), v, wh[0] if has_where else None)[None]
+    return local.eligible(_squeeze(st), version=v, where=wh[0] if has_where else None)[None]
 
   return smap(per_shard, (sh, rep, sh), sh)(state, ver,
                                             where if has_where else jnp.zeros((n, 0), bool))
@@ -147,8 +147,8 @@ def count(ctx, state, where=None, version=None):
   """Global number of eligible items (int32[], replicated), by ``psum``."""
   local, n, axis, sh, rep, smap = ctx.local, ctx.n, ctx.axis, ctx.sh, ctx.rep, ctx.smap
   has_where = where is not None
-  return smap(lambda st, wh, v: lax.psum(local.count(_squeeze(st),
-                                                     wh[0] if has_where else None, v), axis),
+  return smap(lambda st, wh, v: lax.psum(local.count(_squeeze(st), version=v,
+                                                     where=wh[0] if has_where else None), axis),
               (sh, sh, rep), rep)(state, where if has_where else jnp.zeros((n, 0), bool),
                                   None if version is None else jnp.asarray(version, jnp.int32))
 

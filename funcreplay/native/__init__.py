@@ -35,10 +35,10 @@ from funcreplay.core import ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
 from funcreplay.core.spec import TableSpec
-from funcreplay.native.build import error, load
+from funcreplay.native.build import error, load, loaded
 
-__all__ = ["available", "default", "error", "ledger_attr", "set_default", "supports_insert",
-           "supports_sample", "supports_update_priorities"]
+__all__ = ["available", "default", "ensure_built", "error", "ledger_attr", "loaded", "set_default",
+           "supports_insert", "supports_sample", "supports_update_priorities"]
 
 _default = [True]
 
@@ -55,6 +55,16 @@ def set_default(enabled: bool) -> None:
 
 def available() -> bool:
   """True when the kernels are built and registered (builds them on first call)."""
+  return load()
+
+
+def ensure_built() -> bool:
+  """Build (if needed), load and register the kernels now; True on success.
+
+  ``fr.make_table`` and the host ``Table`` call this when they build their
+  programs, so no trace ever compiles C++. A missing compiler gives one
+  ``RuntimeWarning`` and the portable path.
+  """
   return load()
 
 

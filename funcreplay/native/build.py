@@ -108,6 +108,11 @@ def load() -> bool:
     return _state["loaded"]
 
 
+def loaded() -> bool:
+  """True when ``load`` has already succeeded; never builds (safe inside a trace)."""
+  return bool(_state["loaded"])
+
+
 def disabled() -> bool:
   """True when ``FUNCREPLAY_NATIVE`` turns the kernels off for this process."""
   return os.environ.get("FUNCREPLAY_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")

@@ -19,7 +19,8 @@ class NativeExecutor:
   """The XLA FFI kernels of ``funcreplay.native`` behind the core's executor hook."""
 
   def available(self) -> bool:
-    return native_lib.available()
+    # Asked while tracing: report only, never build (``choose`` built the kernels).
+    return native_lib.loaded()
 
   def supports_insert(self, spec) -> bool:
     return native_lib.supports_insert(spec)
@@ -48,6 +49,11 @@ NATIVE = NativeExecutor()
 
 
 def choose(native: Optional[bool]) -> Optional[NativeExecutor]:
-  """The executor for ``native`` (None: ``funcreplay.native.default()``): ``NATIVE`` or None."""
+  """The executor for ``native`` (None: ``funcreplay.native.default()``): ``NATIVE`` or None.
+
+  Choosing ``NATIVE`` builds and loads the kernels here (``funcreplay.native.ensure_built``).
+  """
   use = native_lib.default() if native is None else bool(native)
+  if use:
+    native_lib.ensure_built()  # now, when the programs are built: never inside a trace
   return NATIVE if use else None

@@ -17,6 +17,7 @@ from funcreplay.core import counters as ctr
 from funcreplay.core import executor, indexes, inplace, staleness, trees
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
+from funcreplay.core.ops import insert_lean
 from funcreplay.core.ops.remove import remove
 from funcreplay.core.ops.rows import batch_size as _batch_size
 from funcreplay.core.ops.rows import rows as _rows
@@ -99,6 +100,9 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     n_real = jnp.sum(mask.astype(jnp.int32))
 
   def portable(state):
+    if insert_lean.applies(spec, mask=None if all_rows else mask):
+      return insert_lean.insert(spec, state, items, version=versions, priority=priority,
+                                metadata=meta_rows)
     state = _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_real, rng)
     c = dict(state.counters)
     c["invalid_priorities"] = ctr.add(c["invalid_priorities"], n_bad)

@@ -9,6 +9,7 @@ from jax import lax
 
 from funcreplay.core import counters as ctr
 from funcreplay.core import executor, indexes
+from funcreplay.core.ops import priorities_lean
 from funcreplay.core.ops.rows import key_matches as _key_matches
 from funcreplay.core.ops.rows import last_occurrence
 from funcreplay.core.ops.rows import sanitize_priorities as _sanitize_priorities
@@ -37,6 +38,16 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
 
 
 def _update_priorities(spec, state, slots, keys, priorities):
+  if priorities_lean.applies(spec):  # no order tree: the lean program, bit for bit the general
+    return priorities_lean.update_priorities(spec, state, slots, keys, priorities)
+  return general_update_priorities(spec, state, slots, keys, priorities)
+
+
+def general_update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities):
+  """The general ``update_priorities`` program (any remover; arguments as arrays).
+
+  Public as the oracle of ``priorities_lean`` (tests/test_lean.py).
+  """
   safe, ok = _key_matches(state, slots, keys)
   win = last_occurrence(safe, ok)
   clean, n_bad = _sanitize_priorities(priorities, win)

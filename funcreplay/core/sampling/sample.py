@@ -20,6 +20,7 @@ from jax import lax
 
 from funcreplay.core import executor, indexes, inplace, numerics, ops, ordering, packing, staleness
 from funcreplay.core import selectors as sel
+from funcreplay.core.sampling import prioritized_lean, uniform_lean
 from funcreplay.core.sampling.draw import Weights as _Weights
 from funcreplay.core.sampling.draw import draw_stratified as _draw_stratified
 from funcreplay.core.sampling.draw import draw_weighted as _draw_weighted
@@ -105,6 +106,9 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
       next_key, key = jax.random.split(rng)
 
     def do(st):
+      lean = lean_program(spec, version=ver, where=where, stratified=stratified)
+      if lean is not None:
+        return lean(spec, st, key, batch_size=b, version=ver, replace=replace)
       return _sample_portable(spec, st, key, b, ver, where, replace, stratified=stratified,
                               masked=masked)
 
@@ -135,6 +139,24 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
 
     return lax.platform_dependent(state, cpu=kernel, default=portable)
   return portable(state)
+
+
+def lean_program(spec: TableSpec, *, version=None, where=None, stratified: bool = False):
+  """The lean portable sample program for these static arguments, or None.
+
+  ``uniform_lean.sample`` / ``prioritized_lean.sample`` (BUILD.md "Lean
+  portable programs") when their ``applies`` holds (a Uniform / Prioritized
+  sampler, no ``where`` or staleness mask, ``max_times_sampled == 0``) and
+  the draw is not ``stratified``; they honour the same contract as the
+  general program (valid mask, probabilities, ``times_sampled``, counters)
+  with different random draws. Everything else takes the general program.
+  """
+  if stratified:
+    return None
+  for program in (uniform_lean, prioritized_lean):
+    if program.applies(spec, version=version, where=where):
+      return program.sample
+  return None
 
 
 def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, masked):

@@ -1,0 +1,235 @@
+"""Issue 25's in-scan cases: funcreplay portable and native vs flashbax inside ``lax.scan``.
+
+CPU, flashbax 0.1.3 in the same scan, capacity 262,144, the 524-byte
+transition of ``bench_core``, every sampled leaf consumed (so XLA keeps every
+gather). Cases (K steps per jitted scan call):
+
+- ``insert b16 + uniform sample b256`` per step (ours: without replacement);
+- ``insert b1`` per step;
+- ``prioritized sample b256 + update_priorities`` per step (write-back of
+  ``|reward| + 0.01``; ours without replacement, flashbax with).
+
+Ours: ``make_table(spec, native=False)`` (the portable programs; the lean ones
+where they apply, BUILD.md "Lean portable programs") and ``native=True`` (the
+CPU kernels). ``--ring`` adds the lean uniform sample with ring slots (valid
+only without holes: what an O(1) position -> slot map would give).
+
+Runners are measured round-robin (``--rounds`` rounds), medians reported, with
+the ratio ``flashbax seconds / ours seconds`` (> 1: ours faster). ``--hlo``
+prints the operation counts of the compiled programs (``funcreplay.core.hlo``).
+``python experiments/bench_core.py --scan`` runs this too.
+
+  PYTHONPATH=. python experiments/bench_scan.py --rounds=5 --hlo
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import funcreplay as fr  # noqa: E402
+from experiments.bench_core import _example, _Holder, _measure, _use, transitions  # noqa: E402
+from funcreplay.core import hlo, ops  # noqa: E402
+from funcreplay.core.sampling import uniform_lean  # noqa: E402
+
+CAPACITY = 1 << 18
+STEPS = 50
+INS, SMP = 16, 256
+
+
+class LeanRing:
+  """The portable table with the lean uniform sample on ring slots (``ring=True``)."""
+
+  def __init__(self, spec):
+    self.spec = spec
+    t = fr.make_table(spec, native=False)
+    self.init, self.insert = t.init, t.insert
+
+  def sample(self, s, key, *, batch_size, replace=False):
+    return uniform_lean.sample(self.spec, s, key, batch_size=batch_size, replace=replace,
+                               ring=True)
+
+
+def _filled(t, fill):
+  ins = jax.jit(lambda s, x: t.insert(s, x), donate_argnums=0)
+  h = _Holder(t.init())
+  for c in fill:
+    h.state = ins(h.state, c)
+  return h
+
+
+def _fbx_filled(buf, fill):
+  add = jax.jit(buf.add, donate_argnums=0)
+  h = _Holder(buf.init(_example()))
+  for c in fill:
+    h.state = add(h.state, c)
+  return h
+
+
+def uniform_runners(tables, fbx, fill, xs16, xs1, target_s):
+  runners = {}
+
+  def scan_fn(t):
+    def f(s, i0, xs):
+      def body(c, x):
+        s, acc, v = c
+        s = t.insert(s, x)
+        s, smp = t.sample(s, jax.random.PRNGKey(v), batch_size=SMP)
+        return (s, acc + _use(smp.data), v + 1), None
+      (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
+      return s, acc
+    return f
+
+  def ins_fn(t):
+    def f(s, i0, xs):
+      s, _ = jax.lax.scan(lambda s, x: (t.insert(s, x), None), s, xs)
+      return s, None
+    return f
+
+  for name, t in tables.items():
+    h = _filled(t, fill)
+    runners[f"{name} scan"] = h.runner(jax.jit(scan_fn(t), donate_argnums=0), xs16,
+                                       target_s=target_s)
+    runners[f"{name} insert1"] = h.runner(jax.jit(ins_fn(t), donate_argnums=0), xs1,
+                                          target_s=target_s)
+  buf = fbx.make_item_buffer(max_length=CAPACITY, min_length=1, sample_batch_size=SMP,
+                             add_batches=True)
+  h = _fbx_filled(buf, fill)
+
+  def fscan(s, i0, xs):
+    def body(c, x):
+      s, acc, v = c
+      s = buf.add(s, x)
+      return (s, acc + _use(buf.sample(s, jax.random.PRNGKey(v)).experience), v + 1), None
+    (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
+    return s, acc
+
+  def fins(s, i0, xs):
+    s, _ = jax.lax.scan(lambda s, x: (buf.add(s, x), None), s, xs)
+    return s, None
+
+  runners["flashbax scan"] = h.runner(jax.jit(fscan, donate_argnums=0), xs16, target_s=target_s)
+  runners["flashbax insert1"] = h.runner(jax.jit(fins, donate_argnums=0), xs1, target_s=target_s)
+  return runners
+
+
+def prioritized_runners(tables, fbx, fill, target_s):
+  runners = {}
+
+  def step_fn(t):
+    def f(s, i0):
+      def body(c, _):
+        s, acc, v = c
+        s, smp = t.sample(s, jax.random.PRNGKey(v), batch_size=SMP)
+        s = t.update_priorities(s, smp.info.slot, smp.info.key,
+                                jnp.abs(smp.data["reward"]) + 0.01)
+        return (s, acc + _use((smp.data, smp.info.probability)), v + 1), None
+      (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), None,
+                                    length=STEPS)
+      return s, acc
+    return f
+
+  for name, t in tables.items():
+    h = _filled(t, fill)
+    runners[f"{name} prio"] = h.runner(jax.jit(step_fn(t), donate_argnums=0), target_s=target_s)
+  buf = fbx.make_prioritised_item_buffer(max_length=CAPACITY, min_length=1, sample_batch_size=SMP,
+                                         add_batches=True, priority_exponent=0.6, device="cpu")
+  h = _fbx_filled(buf, fill)
+
+  def fprio(s, i0):
+    def body(c, _):
+      s, acc, v = c
+      smp = buf.sample(s, jax.random.PRNGKey(v))
+      s = buf.set_priorities(s, smp.indices, jnp.abs(smp.experience["reward"]) + 0.01)
+      return (s, acc + _use((smp.experience, smp.probabilities)), v + 1), None
+    (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), None, length=STEPS)
+    return s, acc
+
+  runners["flashbax prio"] = h.runner(jax.jit(fprio, donate_argnums=0), target_s=target_s)
+  return runners
+
+
+def hlo_counts(fbx):
+  """Operation counts of the compiled programs, ours (portable) and flashbax's."""
+  spec = fr.TableSpec(CAPACITY, _example())
+  t = fr.make_table(spec, native=False)
+  st, key = t.init(), jax.random.PRNGKey(0)
+  buf = fbx.make_item_buffer(max_length=CAPACITY, min_length=1, sample_batch_size=SMP,
+                             add_batches=True)
+  pspec = spec.replace(sampler=fr.Prioritized(0.6))
+  pt = fr.make_table(pspec, native=False)
+  x16 = jax.tree_util.tree_map(jnp.asarray, transitions(INS))
+  x1 = jax.tree_util.tree_map(lambda a: a[:1], x16)
+  # The general insert (what ``insert`` runs with a mask): a comparison point.
+  general_insert = lambda s, x: ops.insert(spec, s, x, mask=jnp.ones((x["reward"].shape[0],),  # noqa: E731
+                                                                      bool))
+  return {
+      "uniform sample b256": hlo.counts(lambda s, k: t.sample(s, k, batch_size=SMP), st, key,
+                                        donate_argnums=0),
+      "flashbax uniform sample b256": hlo.counts(lambda s, k: (s, buf.sample(s, k).experience),
+                                                 buf.init(_example()), key, donate_argnums=0),
+      "prioritized sample b256": hlo.counts(lambda s, k: pt.sample(s, k, batch_size=SMP),
+                                            pt.init(), key, donate_argnums=0),
+      "insert b16": hlo.counts(t.insert, st, x16, donate_argnums=0),
+      "insert b1": hlo.counts(t.insert, st, x1, donate_argnums=0),
+      "general (masked) insert b16": hlo.counts(general_insert, st, x16, donate_argnums=0),
+      "flashbax add b16": hlo.counts(buf.add, buf.init(_example()), x16, donate_argnums=0),
+  }
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--target_s", type=float, default=0.15)
+  ap.add_argument("--cases", default="uniform,prioritized")
+  ap.add_argument("--hlo", action="store_true")
+  ap.add_argument("--ring", action="store_true", help="also lean with ring slots (no holes)")
+  run(ap.parse_args(argv))
+
+
+def run(a):
+  """Print the HLO counts (``a.hlo``) and the in-scan ratios of ``a.cases``."""
+  import flashbax as fbx
+  chunk = jax.device_put(transitions(1 << 14, seed=1))
+  fill = [chunk] * (CAPACITY // (1 << 14))
+  steps = transitions(STEPS * INS, seed=3)
+  xs16 = jax.device_put({k: v.reshape((STEPS, INS) + v.shape[1:]) for k, v in steps.items()})
+  xs1 = jax.device_put({k: v[:STEPS, None] for k, v in steps.items()})
+  print(f"capacity {CAPACITY:,}, jax {jax.__version__}, {STEPS} steps per scan, "
+        f"{a.rounds} interleaved rounds (medians)")
+  if a.hlo:
+    for k, v in hlo_counts(fbx).items():
+      print(f"HLO {k:<30} {v}")
+  for case in a.cases.split(","):
+    spec = fr.TableSpec(CAPACITY, _example())
+    if case == "prioritized":
+      spec = spec.replace(sampler=fr.Prioritized(0.6))
+    tables = {"portable": fr.make_table(spec, native=False),
+              "native": fr.make_table(spec, native=True)}
+    if case == "uniform" and a.ring:  # what an O(1) position -> slot map would give
+      tables["lean-ring"] = LeanRing(spec)
+    if case == "uniform":
+      runners = uniform_runners(tables, fbx, fill, xs16, xs1, a.target_s)
+      kinds = ("scan", "insert1")
+    else:
+      runners = prioritized_runners(tables, fbx, fill, a.target_s)
+      kinds = ("prio",)
+    secs = _measure(runners, a.rounds)
+    for kind in kinds:
+      f = secs[f"flashbax {kind}"]
+      for name in tables:
+        s = secs[f"{name} {kind}"]
+        spread = np.ptp(runners[f"{name} {kind}"].times) / s
+        print(f"{case:<12} {kind:<8} {name:<9} {s / STEPS * 1e6:9.1f} us/step  flashbax "
+              f"{f / STEPS * 1e6:9.1f} us/step  ratio {f / s:5.2f}x  (spread {spread:.0%})")
+    del runners
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,51 @@
+"""Operation counts of a compiled (optimized) XLA program: the leanness checks.
+
+``counts(fn, *args)`` compiles ``jax.jit(fn)`` for ``args`` and counts, over
+every computation of the optimized HLO text, the instructions by opcode:
+``fusion`` (one kernel each on XLA:GPU), ``gather``, ``scatter``, ``sort``,
+``conditional`` and ``while`` (each a device-to-host sync on XLA:GPU), plus
+``big_copies``: ``copy`` instructions of at least ``big`` elements (a donated
+buffer XLA could not update in place).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Dict
+
+import jax
+
+OPS = ("fusion", "gather", "scatter", "sort", "conditional", "while", "custom-call")
+_OPCODE = re.compile(r"=\s+(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9\-]*)\(")
+_COMMENT = re.compile(r"/\*.*?\*/")  # tuple shapes carry /*index=5*/ markers
+_SHAPE = re.compile(r"=\s+[a-z0-9]+\[([0-9,]*)\]")
+
+
+def text_counts(hlo_text: str, big: int = 1 << 16) -> Dict[str, int]:
+  """Opcode counts (``OPS`` and ``big_copies``) of optimized HLO text."""
+  ops: Counter = Counter()
+  big_copies = 0
+  for line in hlo_text.splitlines():
+    line = _COMMENT.sub("", line.split(", metadata=")[0])
+    m = _OPCODE.search(line)
+    if not m:
+      continue
+    op = m.group(1)
+    ops[op] += 1
+    if op == "copy":
+      s = _SHAPE.search(line)
+      if s and s.group(1):
+        n = 1
+        for d in s.group(1).split(","):
+          n *= int(d)
+        big_copies += n >= big
+  out = {op: ops.get(op, 0) for op in OPS}
+  out["big_copies"] = big_copies
+  return out
+
+
+def counts(fn, *args, donate_argnums=(), big: int = 1 << 16, **kwargs) -> Dict[str, int]:
+  """``text_counts`` of ``jax.jit(fn, donate_argnums=...)`` compiled for ``args``."""
+  compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*args, **kwargs).compile()
+  return text_counts(compiled.as_text(), big)

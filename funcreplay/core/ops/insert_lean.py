@@ -1,0 +1,133 @@
+"""Lean ``insert`` into a ``Fifo`` ring: every row real (no ``mask``), any weight sampler.
+
+Applies (``applies``) when the remover is exactly ``Fifo`` and no ``mask`` is given;
+``ops.insert`` then runs it (``make_table``'s portable insert).
+The B rows go to slots ``(write_pos + r) mod C``, ``r < B``, as in the
+general ``ops.insert``, and the resulting ``TableState`` is bit for bit the
+one the general path gives (tests/test_lean.py).
+
+Work (B static): one gather of ``occupied`` and ``times_sampled`` at the B
+slots (the victims and their reuse counts), one write per column (a
+``dynamic_update_slice`` for B = 1, else a B-row scatter), one scatter-add of
+the occupancy deltas to the B leaves and their ancestors (O(B log P)), one
+float sum-tree refresh for a ``Prioritized`` sampler, the version index only
+with ``max_staleness``, and one ledger rewrite. Nothing else: no remover tree
+(a ring needs none), no cumsum over a mask, no condition, no loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from funcreplay.core import indexes, staleness, trees
+from funcreplay.core import ledger_update as ledger
+from funcreplay.core import rate_limiters as rl
+from funcreplay.core import selectors as sel
+from funcreplay.core.inplace import after
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import TableState
+
+
+def applies(spec: TableSpec, *, mask=None) -> bool:
+  """True when ``insert`` below may replace the general ``ops.insert`` (static)."""
+  # The exact type: a Fifo variant that fills holes first is not a ring.
+  return type(spec.remover) is sel.Fifo and mask is None
+
+
+def _rows(x, b, dtype):
+  return jnp.broadcast_to(jnp.asarray(x), (b,)).astype(dtype)
+
+
+def _take(col, slots):
+  """``col[slots]``, a real gather even for one slot (as ``ops.take``: a one-row
+  read would become a dynamic slice that XLA re-fuses into every consumer)."""
+  if slots.shape[0] == 1:
+    return col[jnp.concatenate([slots, slots])][:1]
+  return col[slots]
+
+
+def _put(col, slots, x, start):
+  """``col[slots] = x`` (slots contiguous modulo C from ``start``)."""
+  if slots.shape[0] == 1:  # one row never wraps: an in-place dynamic_update_slice
+    return lax.dynamic_update_slice_in_dim(col, x.astype(col.dtype), start, 0)
+  return col.at[slots].set(x.astype(col.dtype), unique_indices=True)
+
+
+def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priority=None,
+           metadata: Optional[Mapping[str, Any]] = None) -> TableState:
+  """Insert ``B`` items (every leaf ``[B, ...]``, ``B <= C`` static) into the ring.
+
+  Arguments as ``ops.insert`` (validated there; this program assumes them
+  valid). Returns the new state.
+  """
+  if not applies(spec):
+    raise ValueError("lean insert: needs a Fifo remover and no mask.")
+  cap = spec.capacity
+  b = jax.tree_util.tree_leaves(items)[0].shape[0]
+  r = jnp.arange(b, dtype=jnp.int32)
+  versions = _rows(version, b, jnp.int32)
+  if priority is None:
+    default = state.max_priority if spec.default_priority is None else spec.default_priority
+    prios, n_bad = _rows(default, b, jnp.float32), jnp.uint32(0)
+  else:
+    p = _rows(priority, b, jnp.float32)
+    bad = ~jnp.isfinite(p) | (p < 0)
+    prios, n_bad = jnp.where(bad, 0.0, p), jnp.sum(bad, dtype=jnp.uint32)
+  metadata = dict(metadata or {})
+  start = state.write_pos
+  slots = (start + r) % cap
+  keys = state.next_key + r.astype(jnp.uint32)
+
+  old_occ = _take(state.occupied, slots)
+  reuse = _take(state.times_sampled, slots)
+  n_evicted = jnp.sum(old_occ, dtype=jnp.uint32)
+  reuse_sum = ledger.total(reuse, old_occ)
+
+  hist, bounds = state.version_hist, state.version_bounds
+  new_versions = versions
+  if spec.max_staleness is not None:  # the same order as ops.insert: advance, remove, add
+    every = jnp.ones((b,), bool)
+    old_versions = _take(state.version, slots)
+    hist, bounds = staleness.advance(spec, hist, bounds, versions, every)
+    hist, bounds = staleness.on_remove(spec, hist, bounds, old_versions, old_occ)
+    hist, bounds = staleness.add(spec, hist, bounds, versions, every)
+    # The victims' versions are read above: order that read before the column's write.
+    new_versions = after(versions, jnp.sum(old_versions.astype(jnp.uint32), dtype=jnp.uint32))
+
+  put = lambda col, x: _put(col, slots, x, start)  # noqa: E731
+  occ_tree = trees.refresh_count(state.occ_tree, slots, jnp.ones((b,), jnp.int32))
+  weight_tree = state.weight_tree
+  if spec.prioritized:
+    w = indexes.sample_weight(spec, jnp.ones((b,), bool), prios)
+    if b == 1:  # keep the per-level updates real scatters (see indexes.refresh)
+      weight_tree = trees.refresh_sum(weight_tree, jnp.concatenate([slots, slots]),
+                                      jnp.concatenate([w, w]),
+                                      jnp.asarray([True, False]))
+    else:
+      weight_tree = trees.refresh_sum(weight_tree, slots, w)
+  state = state.replace(
+      data=jax.tree_util.tree_map(put, state.data, items),
+      occupied=put(state.occupied, after(jnp.ones((b,), bool), n_evicted)),
+      key=put(state.key, keys),
+      version=put(state.version, new_versions),
+      times_sampled=put(state.times_sampled, after(jnp.zeros((b,), jnp.int32),
+                                                        reuse_sum[0] ^ reuse_sum[1])),
+      priority=put(state.priority, prios),
+      metadata={k: put(v, _rows(metadata.get(k, 0), b, jnp.int32))
+                for k, v in state.metadata.items()},
+      occ_tree=occ_tree, weight_tree=weight_tree,
+      version_hist=hist, version_bounds=bounds,
+  )
+  adds = {"evicted_capacity": ledger.count(n_evicted), "removed_reuse_sum": reuse_sum,
+          "inserts": ledger.count(b)}
+  if priority is not None:
+    adds["invalid_priorities"] = ledger.count(n_bad)
+  return ledger.update(state, adds, dict(
+      write_pos=(start + b) % cap,
+      next_key=state.next_key + jnp.uint32(b),
+      limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, inserted=jnp.int32(b)),
+      max_priority=jnp.maximum(state.max_priority, jnp.max(prios))))

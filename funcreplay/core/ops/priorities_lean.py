@@ -1,0 +1,61 @@
+"""Lean ``update_priorities`` for tables without an order tree (bit for bit the general one).
+
+Applies (``applies``) when the remover keeps no order tree (``Fifo`` or
+``Uniform`` removers): then a priority change touches only ``priority``, the
+weight sum tree and the ledger, so the program is one key-guard gather, one
+packed sort of the K slots (last occurrence wins), one scatter and one
+O(K log P) sum-tree refresh.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from funcreplay.core import bits, indexes, trees
+from funcreplay.core import counters as ctr
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import TableState
+
+
+def applies(spec: TableSpec) -> bool:
+  """True when ``update_priorities`` below may replace ``ops.update_priorities`` (static):
+  no order tree (a ``Fifo`` or ``Uniform`` remover)."""
+  return not spec.needs_remover_tree
+
+
+def update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities):
+  """``ops.update_priorities`` for tables without an order tree, bit for bit.
+
+  Key guard (the slot must still hold ``keys``), last occurrence wins (one
+  packed sort of the K slots), bad priorities stored as 0 and counted, then
+  one float sum-tree refresh of the K leaves (O(K log P), never drifting).
+  """
+  if not applies(spec):
+    raise ValueError("lean update_priorities: the remover keeps an order tree.")
+  cap = spec.capacity
+  slots = jnp.asarray(slots, jnp.int32)
+  k = slots.shape[0]
+  keys = jnp.broadcast_to(jnp.asarray(keys, jnp.uint32), slots.shape)
+  p = jnp.broadcast_to(jnp.asarray(priorities, jnp.float32), slots.shape)
+  in_range = (slots >= 0) & (slots < cap)
+  safe = jnp.where(in_range, slots, 0)
+  ok = in_range & state.occupied[safe] & (state.key[safe] == keys)
+  # Last valid occurrence of each slot: sort (slot, row) pairs, keep each run's last.
+  s_slot, s_row = bits.sort_pairs(jnp.where(ok, safe, cap), cap + 1)
+  last_sorted = jnp.concatenate([s_slot[1:] != s_slot[:-1], jnp.ones((1,), bool)])
+  win = jnp.zeros((k,), bool).at[s_row].set(last_sorted, unique_indices=True) & ok
+  bad = ~jnp.isfinite(p) | (p < 0)
+  clean = jnp.where(bad, 0.0, p)
+  c = dict(state.counters)
+  c["invalid_priorities"] = ctr.add(c["invalid_priorities"],
+                                    jnp.sum(bad & win, dtype=jnp.uint32))
+  prio = state.priority.at[jnp.where(win, safe, cap)].set(clean, mode="drop")
+  max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(win, clean, 0.0), initial=0.0))
+  tree = state.weight_tree
+  if spec.prioritized:
+    w = indexes.sample_weight(spec, jnp.ones((k,), bool), clean)
+    if k == 1:  # keep the per-level updates real scatters (see indexes.refresh)
+      safe, w, win = (jnp.concatenate([a, a]) for a in (safe, w, win))
+      win = win & jnp.asarray([True, False])
+    tree = trees.refresh_sum(tree, safe, w, win)
+  return state.replace(priority=prio, weight_tree=tree, counters=c, max_priority=max_p)

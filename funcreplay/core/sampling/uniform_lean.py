@@ -1,0 +1,152 @@
+"""Lean ``Uniform`` sampling: no masks, no reuse limit; exact, loop-free, no conditions.
+
+Applies (``applies``) when the sampler is ``Uniform``, no ``where`` mask, no
+staleness mask (``version`` None or no ``max_staleness``) and
+``max_times_sampled == 0``. Any remover; the table may have holes.
+
+Program (B = batch size, N = ``state.size``, C = capacity, P = tree size):
+
+1. ``x = bits.without_replacement(rng, N, B)``: the first B entries of a
+   uniformly random permutation of ``[0, N)`` (with ``replace``: B i.i.d.
+   uniform integers in ``[0, N)``). O(B log B).
+2. ``slot = k-th occupied slot`` for ``k = x``: a descent of the occupancy
+   count tree (``kth_occupied``, 4 levels per step), O(B log P). Any
+   bijection from ``[0, N)`` onto the occupied slots gives the same
+   distribution; the descent works with holes, so there is no hole test, no
+   rejection and no fallback. It is also most of the program's cost in a
+   scan: an O(1) position -> slot map (``ring=True``, an experiment valid
+   only without holes) measured ~1.8x faster (BUILD.md "Lean portable programs").
+3. Gather every data leaf and the info columns; ``times_sampled[slot] += 1``
+   (one scatter-add); ``samples`` counter and ``limiter_diff``; with a
+   ``version``, the ``sampled_staleness_sum`` counter.
+
+Invariants kept: only ``times_sampled`` and the ledger change, exactly as the
+general ``sampling.sample`` changes them for the same slots (rows valid for
+``i < N``; invalid rows: slot -1, zero data, probability 0).
+
+Random bits: ``bits.words(rng, B)``; row ``i`` draws ``j_i = i +
+floor((hi_i * 2**32 + lo_i) * (N - i) / 2**64)`` (with ``replace``: ``j_i =
+floor((hi_i * 2**32 + lo_i) * N / 2**64)``, used as ``x_i`` directly).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from funcreplay.core import bits, trees
+from funcreplay.core import ledger_update as ledger
+from funcreplay.core import rate_limiters as rl
+from funcreplay.core import selectors as sel
+from funcreplay.core.inplace import materialize
+from funcreplay.core.spec import TableSpec
+from funcreplay.core.state import Sample, SampleInfo, TableState
+
+
+def applies(spec: TableSpec, *, version=None, where=None) -> bool:
+  """True when ``sample`` below may replace the general ``sampling.sample`` (static)."""
+  return (isinstance(spec.sampler, sel.Uniform) and where is None
+          and spec.max_times_sampled == 0
+          and (version is None or spec.max_staleness is None))
+
+
+def positions(rng, n, b: int, replace: bool, n_max: int = 1 << 31):
+  """``(x int32[b], valid bool[b])``: positions in ``[0, n)`` (distinct unless ``replace``)."""
+  if not replace:
+    return bits.without_replacement(rng, n, b, n_max)
+  hi, lo = bits.words(rng, b)
+  x = bits.below(hi, lo, jnp.maximum(n, 1).astype(jnp.uint32)).astype(jnp.int32)
+  return x, jnp.broadcast_to(n > 0, (b,))
+
+
+# Tree levels descended per step: one gather of the 2**_LEVELS nodes below the
+# current one, a cumulative sum and a count. XLA fuses each binary level into
+# a fusion of its own (18 for C = 2**18), and those dominated the lean
+# uniform sample in a scan; 4 levels per step gives 5 fusions.
+_LEVELS = 4
+
+
+def kth_occupied(tree, k):
+  """The ``k``-th (0-based) occupied slot of the occupancy count ``tree`` (int32[B]).
+
+  The same slot as ``trees.descend_count(tree, k, free=False)``: at each step
+  the child taken is the first whose cumulative count exceeds ``k`` (a binary
+  descent's "go right when k >= left count", ``_LEVELS`` levels at once).
+  ``k`` must be below the number of occupied slots.
+  """
+  p = tree.shape[0] // 2
+  node = jnp.ones(k.shape, jnp.int32)
+  left = trees.depth(p)
+  while left:
+    step = min(_LEVELS, left)
+    children = node[:, None] * (1 << step) + jnp.arange(1 << step, dtype=jnp.int32)[None, :]
+    cnt = tree[children]
+    before = jnp.cumsum(cnt, axis=1) <= k[:, None]
+    idx = jnp.minimum(jnp.sum(before, axis=1, dtype=jnp.int32), (1 << step) - 1)
+    k = k - jnp.sum(jnp.where(before, cnt, 0), axis=1)
+    node = node * (1 << step) + idx
+    left -= step
+  return node - p
+
+
+def gather_rows(state: TableState, slot, valid):
+  """Every data leaf at ``slot`` (int32[B], in range), zero where not ``valid``."""
+  def rows(x):
+    v = valid.reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(v, x[slot], jnp.zeros((), x.dtype))
+  return jax.tree_util.tree_map(rows, state.data)
+
+
+def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, version):
+  """The bookkeeping of a sample without a reuse limit: ``(state, Sample)``.
+
+  ``slot`` int32[B] in range (any value where not ``valid``), ``prob``
+  float32[B]; ``replace``-drawn duplicates are fine (the scatter adds).
+  """
+  cap = spec.capacity
+  data = gather_rows(state, slot, valid)
+  times = state.times_sampled.at[jnp.where(valid, slot, cap)].add(1, mode="drop")
+  n_valid = jnp.sum(valid, dtype=jnp.int32)
+  adds = {"samples": ledger.count(n_valid)}
+  item_version = state.version[slot]
+  if version is not None:
+    stale = jnp.maximum(jnp.asarray(version, jnp.int32) - item_version, 0)
+    adds["sampled_staleness_sum"] = ledger.total(stale, valid)
+  state = ledger.update(state.replace(times_sampled=times), adds, dict(
+      limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, sampled=n_valid)))
+  info = SampleInfo(
+      slot=jnp.where(valid, slot, -1),
+      key=jnp.where(valid, state.key[slot], jnp.uint32(0)),
+      probability=jnp.where(valid, prob, 0.0),
+      priority=jnp.where(valid, state.priority[slot], 0.0),
+      # Read after the increment: ordered after the scatter, so it stays in place.
+      times_sampled=jnp.where(valid, times[slot], 0),
+      version=jnp.where(valid, item_version, 0))
+  return state, Sample(data=data, valid=valid, info=info, num_eligible=num_eligible)
+
+
+def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=None,
+           replace: bool = False, ring: bool = False):
+  """Lean uniform ``sample`` (see the module doc); ``(state, Sample)`` as ``sampling.sample``.
+
+  ``ring``: the caller guarantees a ``Fifo`` remover and a ring without holes
+  (no delete, reuse or staleness eviction ever: ``size == min(inserts, C)``);
+  position ``x`` is then slot ``(write_pos - size + x) mod C``, no descent.
+  An experiment (bench_lean ``lean-ring``) measuring what an O(1) position ->
+  slot map would buy; not for general use (with holes it samples wrongly).
+  """
+  b = batch_size
+  if not applies(spec, version=version):
+    raise ValueError("lean uniform sample: needs a Uniform sampler, max_times_sampled=0 and "
+                     "no staleness mask.")
+  n = state.size
+  x, valid = positions(rng, n, b, replace, spec.capacity)
+  # Materialized twice: the positions feed every level of the descent, the
+  # slots every gathered element (see ``materialize``).
+  x = materialize(jnp.where(valid, x, 0))
+  if ring:
+    slot = materialize((state.write_pos - n + x + spec.capacity) % spec.capacity)
+  else:
+    slot = materialize(kth_occupied(state.occ_tree, x))
+  prob = jnp.full((b,), 1.0, jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)
+  return finish(spec, state, slot, valid, prob, n, version)
