@@ -33,7 +33,8 @@ PRIORITIZED_INSERT_EXTRA = CAPACITY.bit_length() + 6
 # Measured 158 here: the sample (96: M = 384 descents, the first-B-distinct
 # sort, the completion branch) + update_priorities (the key guard, the
 # last-occurrence sort, the sum-tree refresh of 256 leaves, ~4 fusions a level).
-PRIORITIZED_STEP_FUSION_BOUND = 170
+# + the zero-weight count (issue 23: eligible = weight > 0) kept by the update: 171 measured.
+PRIORITIZED_STEP_FUSION_BOUND = 176
 
 
 def _items(b):

@@ -34,8 +34,8 @@ from funcreplay.core.state import TableState
 
 def applies(spec: TableSpec, *, mask=None) -> bool:
   """True when ``insert`` below may replace the general ``ops.insert`` (static)."""
-  # The exact type: a Fifo variant that fills holes first is not a ring.
-  return type(spec.remover) is sel.Fifo and mask is None
+  # The ring only: Fifo(fill_holes=True) (Reverb's FIFO remover) fills free slots first.
+  return (type(spec.remover) is sel.Fifo and not spec.remover.fill_holes and mask is None)
 
 
 def _rows(x, b, dtype):
@@ -103,6 +103,16 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   weight_tree = state.weight_tree
   if spec.prioritized:
     w = indexes.sample_weight(spec, jnp.ones((b,), bool), prios)
+    # Keep the zero-weight count (occ_tree[0], see indexes.zero_weight_count) in step. The
+    # victims' old weights come from their priority column (a read of the weight tree would
+    # make XLA copy the tree); the priority write below is ordered after that read.
+    old_w = indexes.sample_weight(spec, old_occ, _take(state.priority, slots))
+    zero_delta = (jnp.sum(w <= 0, dtype=jnp.int32)
+                  - jnp.sum(old_occ & (old_w <= 0), dtype=jnp.int32))
+    # A two-index scatter (the second out of range, dropped): a one-index one becomes a
+    # dynamic-update-slice that XLA fuses into later reads, copying the tree (indexes.refresh).
+    occ_tree = occ_tree.at[jnp.array([0, 2 * spec.tree_size])].add(
+        jnp.stack([zero_delta, 0]), mode="drop")
     if b == 1:  # keep the per-level updates real scatters (see indexes.refresh)
       weight_tree = trees.refresh_sum(weight_tree, jnp.concatenate([slots, slots]),
                                       jnp.concatenate([w, w]),
@@ -116,7 +126,7 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
       version=put(state.version, new_versions),
       times_sampled=put(state.times_sampled, after(jnp.zeros((b,), jnp.int32),
                                                         reuse_sum[0] ^ reuse_sum[1])),
-      priority=put(state.priority, prios),
+      priority=put(state.priority, after(prios, zero_delta) if spec.prioritized else prios),
       metadata={k: put(v, _rows(metadata.get(k, 0), b, jnp.int32))
                 for k, v in state.metadata.items()},
       occ_tree=occ_tree, weight_tree=weight_tree,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from funcreplay.core import bits, indexes, trees
+from funcreplay.core.inplace import after
 from funcreplay.core import counters as ctr
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
@@ -49,13 +50,31 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
   c = dict(state.counters)
   c["invalid_priorities"] = ctr.add(c["invalid_priorities"],
                                     jnp.sum(bad & win, dtype=jnp.uint32))
-  prio = state.priority.at[jnp.where(win, safe, cap)].set(clean, mode="drop")
-  max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(win, clean, 0.0), initial=0.0))
   tree = state.weight_tree
+  occ_tree = state.occ_tree
+  written = clean
   if spec.prioritized:
     w = indexes.sample_weight(spec, jnp.ones((k,), bool), clean)
+    # Keep the zero-weight count (occ_tree[0], see indexes.zero_weight_count) in step. The
+    # winners' old weights come from their priority column (a read of the weight tree would
+    # make XLA copy the tree); the priority write below is ordered after that read.
+    # A real gather even for K = 1 (a one-row read is a dynamic slice that XLA re-fuses into
+    # every consumer, each a read the ordering below does not cover; see ops.take).
+    old_p = state.priority[jnp.concatenate([safe, safe])][:k] if k == 1 else state.priority[safe]
+    old_w = indexes.sample_weight(spec, jnp.ones((k,), bool), old_p)
+    delta = (jnp.sum(win & (w <= 0), dtype=jnp.int32)
+             - jnp.sum(win & (old_w <= 0), dtype=jnp.int32))
+    # A two-index scatter (the second out of range, dropped): a one-index one becomes a
+    # dynamic-update-slice that XLA fuses into later reads, copying the tree (indexes.refresh).
+    occ_tree = occ_tree.at[jnp.array([0, 2 * spec.tree_size])].add(
+        jnp.stack([delta, 0]), mode="drop")
+    written = after(clean, delta)
+  prio = state.priority.at[jnp.where(win, safe, cap)].set(written, mode="drop")
+  max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(win, clean, 0.0), initial=0.0))
+  if spec.prioritized:
     if k == 1:  # keep the per-level updates real scatters (see indexes.refresh)
       safe, w, win = (jnp.concatenate([a, a]) for a in (safe, w, win))
       win = win & jnp.asarray([True, False])
     tree = trees.refresh_sum(tree, safe, w, win)
-  return state.replace(priority=prio, weight_tree=tree, counters=c, max_priority=max_p)
+  return state.replace(priority=prio, weight_tree=tree, occ_tree=occ_tree, counters=c,
+                       max_priority=max_p)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import bits, indexes, trees
+from funcreplay.core import bits, indexes, inplace, numerics, trees
 from funcreplay.core import selectors as sel
 from funcreplay.core.inplace import after
 from funcreplay.core.sampling import uniform_lean as uniform
@@ -110,10 +110,16 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   valid = picked >= 0
   slot = jnp.maximum(picked, 0)
   w_item = indexes.sample_weight(spec, state.occupied[slot], state.priority[slot])
-  prob = w_item / jnp.maximum(total, 1e-30)
-  state, out = uniform.finish(spec, state, slot, valid, prob, state.size, version)
-  # Order every read of priority / the tree before a later update_priorities.
-  flag = jnp.sum(lax.bitcast_convert_type(out.info.priority + prob, jnp.uint32),
-                 dtype=jnp.uint32)
+  prob = w_item / jnp.maximum(total, numerics.TINY)
+  # Eligible = occupied with a positive weight (zero-weight items are never drawn).
+  # occ_tree's root (size) and node 0 (the zero-weight count) are read once (inplace.once)
+  # so the flag below orders them before a later update_priorities' write of the count
+  # (else XLA copies occ_tree).
+  size, zero = inplace.once((state.size, indexes.zero_weight_count(spec, state)))
+  num_eligible = size - zero
+  state, out = uniform.finish(spec, state, slot, valid, prob, num_eligible, version)
+  # Order every read of priority / the trees before a later update_priorities.
+  flag = (jnp.sum(lax.bitcast_convert_type(out.info.priority + prob, jnp.uint32),
+                  dtype=jnp.uint32) + (size + zero).astype(jnp.uint32))
   info = dataclasses.replace(out.info, slot=after(out.info.slot, flag))
   return state, dataclasses.replace(out, info=info)
