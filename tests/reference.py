@@ -31,6 +31,10 @@ class RefTable:
     self.payload = [None] * c
     self.meta = {m: [0] * c for m in spec.metadata}
     self.next_key = 0
+    # Reverb's heaps break priority ties by the least recent insert or update:
+    # touch[s] is the value of a counter of inserts and updates (unbounded).
+    self.touch = [0] * c
+    self.touch_clock = 0
     self.write_pos = 0
     self.max_priority = 1.0
     self.counters = collections.Counter({k: 0 for k in fr.state_counters()})
@@ -50,27 +54,23 @@ class RefTable:
     if isinstance(selector, fr.Lifo):
       return (self.age(s),)
     if isinstance(selector, fr.MinHeap):
-      return (self.prio[s], -self.age(s))
+      return (self.prio[s], self.touch[s])
     if isinstance(selector, fr.MaxHeap):
-      return (-self.prio[s], -self.age(s))
+      return (-self.prio[s], self.touch[s])
     raise TypeError(selector)
 
-  def age_of_key(self, key):
-    return (self.next_key - key) % U32
-
-  def remover_prefers_new(self, priority, age_key, victim):
-    """Would the remover pick the item being inserted (priority, ``(age,)``) over
-    ``victim``, the best existing item? Smaller order keys are picked first."""
+  def remover_prefers_new(self, priority, victim):
+    """Would the remover pick the item being inserted (``priority``, touched now)
+    over ``victim``, the best existing item? Smaller order keys are picked first."""
     remover = self.spec.remover
     if isinstance(remover, fr.Fifo):
       return False
     if isinstance(remover, fr.Lifo):
       return True
-    (age,) = age_key
     if isinstance(remover, fr.MinHeap):
-      return (priority, -age) < self.order_key(remover, victim)
+      return (priority, self.touch_clock) < self.order_key(remover, victim)
     if isinstance(remover, fr.MaxHeap):
-      return (-priority, -age) < self.order_key(remover, victim)
+      return (-priority, self.touch_clock) < self.order_key(remover, victim)
     raise TypeError(f"the reference cannot draw a {remover!r} victim")
 
   def victim(self):
@@ -127,13 +127,15 @@ class RefTable:
         # Full: Reverb inserts first, then the remover picks a victim among the
         # C + 1 items, the new one included (it may go at once).
         s = self.victim()
-        new_key = (self.age_of_key((base + rank) % U32),)
-        if self.remover_prefers_new(p, new_key, s):
+        if self.remover_prefers_new(p, s):
+          self.touch_clock += 1
           self.counters["evicted_capacity"] += 1
           continue
         self._remove(s, "evicted_capacity")
       self.occ[s], self.key[s], self.version[s] = True, (base + rank) % U32, versions[i]
       self.times[s], self.prio[s], self.payload[s] = 0, p, payloads[i]
+      self.touch[s] = self.touch_clock
+      self.touch_clock += 1
       for m in self.meta:
         self.meta[m][s] = (metadata or {}).get(m, [0] * len(mask))[i]
     if sel.is_ring(self.spec.remover):
@@ -173,7 +175,10 @@ class RefTable:
       self._remove(s, "deletes")
 
   def update_priorities(self, slots, keys, priorities):
-    for s, i in self._guarded_last(slots, keys).items():
+    # In call order (the last of duplicates wins): each update touches its item.
+    for s, i in sorted(self._guarded_last(slots, keys).items(), key=lambda si: si[1]):
+      self.touch[s] = self.touch_clock
+      self.touch_clock += 1
       p = priorities[i]
       if not math.isfinite(p) or p < 0:
         self.counters["invalid_priorities"] += 1

@@ -7,6 +7,8 @@ measured against dm-reverb 0.14.0 on the same operation sequences (issue 23).
 from __future__ import annotations
 
 import fractions
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,8 @@ import pytest
 from scipy import stats as sstats
 
 import funcreplay as fr
-from tests.helpers import ITEM, counters_dict, items_from_ids, jitted
+from funcreplay import checkpoint
+from tests.helpers import ITEM, assert_trees_consistent, counters_dict, items_from_ids, jitted
 
 # Every test here runs against both implementations (see conftest.py).
 pytestmark = pytest.mark.usefixtures("both_implementations")
@@ -235,15 +238,91 @@ def test_host_table_blocks_on_zero_priority_items():
   assert np.asarray(b.valid).tolist() == [True, False] and int(b.num_eligible) == 1
 
 
-# --- 5. heap ties after a priority update (not done yet) ---------------------------
+# --- 5. heap ties after a priority update -----------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="issue 23 item 5: heap ties use insertion order only; "
-                   "Reverb breaks them by the latest insert OR update (needs a touch stamp)")
-def test_min_heap_tie_prefers_the_least_recently_updated():
-  spec = fr.TableSpec(4, ITEM, sampler=fr.MinHeap())
+def _tied_then_updated(spec, updated=(0,), n=2):
+  """Items 0..n-1 inserted with priority 1, then ``updated`` set to priority 1 again."""
   f = jitted(spec)
-  state = f["insert"](f["table"].init(), items_from_ids([0, 1]),
-                      priority=np.array([1.0, 1.0], np.float32))
-  state = f["update"](state, np.array([0], np.int32), state.key[:1], np.array([1.0], np.float32))
+  state = f["insert"](f["table"].init(), items_from_ids(list(range(n))),
+                      priority=np.ones((n,), np.float32))
+  slots = np.asarray(updated, np.int32)
+  state = f["update"](state, slots, state.key[slots], np.ones((len(slots),), np.float32))
+  return f, state
+
+
+@pytest.mark.parametrize("sampler", [fr.MinHeap(), fr.MaxHeap()], ids=lambda s: type(s).__name__)
+def test_min_heap_tie_prefers_the_least_recently_updated(sampler):
+  """Reverb: insert 0 (p=1), insert 1 (p=1), update 0 to p=1, sample -> item 1."""
+  spec = fr.TableSpec(4, ITEM, sampler=sampler)
+  f, state = _tied_then_updated(spec)
   _, b = f["sample"](state, jax.random.PRNGKey(0), batch_size=1)
   assert int(b.data["x"][0]) == 1
+
+
+@pytest.mark.parametrize("sampler", [fr.MinHeap(), fr.MaxHeap()], ids=lambda s: type(s).__name__)
+def test_heap_ties_follow_the_order_of_updates_within_one_call(sampler):
+  """One call's updates touch their items in order (the last of a duplicate counts)."""
+  spec = fr.TableSpec(4, ITEM, sampler=sampler)
+  f, state = _tied_then_updated(spec, updated=(2, 0, 1, 2), n=4)
+  _, b = f["sample"](state, jax.random.PRNGKey(0), batch_size=4)
+  assert np.asarray(b.data["x"]).tolist() == [3, 0, 1, 2]
+
+
+@pytest.mark.parametrize("remover", [fr.MinHeap(), fr.MaxHeap()], ids=lambda s: type(s).__name__)
+def test_heap_remover_tie_evicts_the_least_recently_updated(remover):
+  """Full table, a tie for the victim: the item touched least recently goes."""
+  spec = fr.TableSpec(2, ITEM, remover=remover)
+  f, state = _tied_then_updated(spec)
+  # A new item that is never the victim: a higher (MinHeap) / lower (MaxHeap) priority.
+  new_p = 5.0 if isinstance(remover, fr.MinHeap) else 0.5
+  state = f["insert"](state, items_from_ids([2]), priority=np.float32(new_p))
+  assert _ids(state) == {0, 2}
+  assert_trees_consistent(spec, state)
+
+
+def test_heap_tie_stamps_survive_checkpoint_and_growth(tmp_path):
+  spec = fr.TableSpec(4, ITEM, sampler=fr.MinHeap(), remover=fr.MaxHeap())
+  _, state = _tied_then_updated(spec, updated=(0,), n=3)
+  path = checkpoint.save(str(tmp_path / "ck"), state, spec)
+  restored, _ = checkpoint.restore(path)
+  np.testing.assert_array_equal(np.asarray(restored.touched), np.asarray(state.touched))
+  big, _ = checkpoint.restore(path, spec.replace(capacity=8), allow_capacity_growth=True)
+  for st, sp in ((restored, spec), (big, spec.replace(capacity=8))):
+    _, b = jitted(sp)["sample"](st, jax.random.PRNGKey(0), batch_size=3)
+    assert np.asarray(b.data["x"]).tolist() == [1, 2, 0]
+    assert_trees_consistent(sp, st)
+
+
+def test_older_checkpoint_without_stamps_keeps_insertion_order(tmp_path):
+  """A checkpoint written before ``touched`` existed restores with the stamps taken
+  from the keys: ties keep the insertion order it had."""
+  spec = fr.TableSpec(4, ITEM, sampler=fr.MinHeap())
+  f = jitted(spec)
+  state = f["insert"](f["table"].init(), items_from_ids([0, 1, 2]),
+                      priority=np.ones((3,), np.float32))
+  path = checkpoint.save(str(tmp_path / "ck"), state, spec)
+  mpath = os.path.join(path, "manifest.json")
+  with open(mpath) as fh:
+    manifest = json.load(fh)
+  (old,) = [e for e in manifest["arrays"] if e["leaf"] == ".touched"]
+  manifest["arrays"].remove(old)
+  os.remove(os.path.join(path, old["file"]))
+  with open(mpath, "w") as fh:
+    json.dump(manifest, fh)
+  restored, _ = checkpoint.restore(path)
+  assert np.asarray(restored.touched).tolist() == [0, 1, 2, 0, 3]
+  state = f["update"](restored, np.array([0], np.int32), restored.key[:1],
+                      np.ones((1,), np.float32))
+  _, b = f["sample"](state, jax.random.PRNGKey(0), batch_size=3)
+  assert np.asarray(b.data["x"]).tolist() == [1, 2, 0]
+
+
+def test_only_heap_specs_keep_stamps():
+  """Other specs pay nothing: ``touched`` is empty, and they keep their native kernels."""
+  for sampler, remover, n in ((fr.Uniform(), fr.Fifo(), 0), (fr.Prioritized(0.6), fr.Lifo(), 0),
+                              (fr.MinHeap(), fr.Fifo(), 9), (fr.Uniform(), fr.MaxHeap(), 9)):
+    spec = fr.TableSpec(8, ITEM, sampler=sampler, remover=remover)
+    assert spec.touch_stamps == bool(n)
+    assert fr.make_table(spec).init().touched.shape == (n,)
+  assert not fr.native.supports_insert(fr.TableSpec(8, ITEM, sampler=fr.MinHeap()))
+  assert fr.native.supports_insert(fr.TableSpec(8, ITEM))

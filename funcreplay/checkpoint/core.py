@@ -188,8 +188,10 @@ def resolve(path) -> str:
 
 
 # Leaves that checkpoints written before they existed lack. They are derived
-# from the slot columns, so a restore rebuilds them (``_add_derived``).
-_DERIVED = (".version_hist", ".version_bounds")
+# from the slot columns, so a restore rebuilds them (``_add_derived``): the
+# version index (both or neither), and the heaps' touch stamps.
+_VERSION_INDEX = (".version_hist", ".version_bounds")
+_DERIVED = _VERSION_INDEX + (".touched",)
 
 
 def _check_arrays(manifest, spec: TableSpec, num_shards: Optional[int], where: str, rows_entry):
@@ -198,8 +200,11 @@ def _check_arrays(manifest, spec: TableSpec, num_shards: Optional[int], where: s
   entries = manifest["arrays"]
   names = [e.get("leaf") for e in entries]
   want = [n for n, _, _ in expected]
-  if names != want and names == [n for n in want if n not in _DERIVED]:
-    expected = [x for x in expected if x[0] not in _DERIVED]
+  lacking = [n for n in want if n not in names]
+  older = (set(lacking) <= set(_DERIVED) and names == [n for n in want if n not in lacking]
+           and len(set(lacking) & set(_VERSION_INDEX)) in (0, len(_VERSION_INDEX)))
+  if names != want and older:
+    expected = [x for x in expected if x[0] in names]
   elif names != want:
     missing = sorted(set(want) - set(names))
     unexpected = sorted(set(names) - set(want))
@@ -236,19 +241,29 @@ def _add_derived(arrays, manifest, spec: TableSpec, num_shards: Optional[int]):
   if len(names) == len(expected):
     return arrays
   local = spec if num_shards is None else spec.replace(capacity=spec.capacity // num_shards)
-  hist, bounds = (np.asarray(x) for x in staleness.empty(local))
-  fresh = {".version_hist": hist, ".version_bounds": bounds}
   by_name = dict(zip(names, arrays, strict=True))
   lead = () if num_shards is None else (num_shards,)
-  out = [by_name[n] if n in by_name else np.broadcast_to(fresh[n], lead + fresh[n].shape).copy()
-         for n, _, _ in expected]
-  i, j = ([n for n, _, _ in expected].index(k) for k in _DERIVED)
-  occupied, version = by_name[".occupied"], by_name[".version"]
-  rebuild = functools.partial(staleness.rebuild, local)
-  if num_shards is not None:
-    rebuild = jax.vmap(rebuild)
-  out[i], out[j] = (np.asarray(x) for x in rebuild(out[i], out[j], occupied, version))
-  return out
+  if _VERSION_INDEX[0] not in by_name:
+    hist, bounds = (np.broadcast_to(np.asarray(x), lead + np.shape(x)).copy()
+                    for x in staleness.empty(local))
+    rebuild = functools.partial(staleness.rebuild, local)
+    if num_shards is not None:
+      rebuild = jax.vmap(rebuild)
+    by_name.update(zip(_VERSION_INDEX, (np.asarray(x) for x in rebuild(
+        hist, bounds, by_name[".occupied"], by_name[".version"]))))
+  if ".touched" not in by_name:
+    by_name[".touched"] = _touched_from_keys(local, by_name[".key"], by_name[".next_key"], lead)
+  return [by_name[n] for n, _, _ in expected]
+
+
+def _touched_from_keys(spec: TableSpec, key, next_key, lead):
+  """``TableState.touched`` for a checkpoint written before it existed, whose heaps
+  broke ties by insertion order: the stamps are the keys and the clock
+  ``next_key``, which gives exactly the order that checkpoint had."""
+  if not spec.touch_stamps:
+    return np.zeros(lead + (0,), np.uint32)
+  key, next_key = np.asarray(key, np.uint32), np.asarray(next_key, np.uint32)
+  return np.concatenate([key, next_key[..., None]], axis=-1)
 
 
 def _check_placement(path, num_shards, mesh, axis, as_numpy) -> None:

@@ -9,10 +9,10 @@ older still, without the version index, get it rebuilt from the columns
 the schema-1 code; its restore is checked bit for bit.
 
 Growing from ``C`` to ``C' > C`` slots keeps every item, its key, version,
-times_sampled, priority and metadata, and every counter; the trees are
-rebuilt for the new tree size (sum-tree nodes are always ``fl(left + right)``
-of their children, so a rebuild gives the same values incremental updates
-would).
+times_sampled, priority, metadata and touch stamp (heaps), and every counter;
+the trees are rebuilt for the new tree size (sum-tree nodes are always
+``fl(left + right)`` of their children, so a rebuild gives the same values
+incremental updates would).
 
 Slot order: with a ``Fifo`` remover the slots form a ring whose oldest-written
 slot is ``write_pos``. The ring is *unrolled* into the new table: new slot
@@ -69,6 +69,9 @@ def grow(old: TableSpec, new: TableSpec, state: TableState) -> TableState:
     return out
 
   cols = {name: put(getattr(fresh, name), getattr(state, name)) for name in _COLUMNS}
+  if new.touch_stamps:  # the heaps' stamps move with their items; the clock stays last
+    touched = np.asarray(state.touched)
+    cols["touched"] = np.concatenate([put(fresh.touched[:c2], touched[:c]), touched[c:]])
   grown = fresh.replace(
       data=jax.tree_util.tree_map(put, fresh.data, state.data),
       metadata={k: put(fresh.metadata[k], v) for k, v in state.metadata.items()},

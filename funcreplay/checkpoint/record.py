@@ -38,6 +38,7 @@ class StateRecord:
   occ_tree: Any
   weight_tree: Any
   remover_tree: Any
+  touched: Any
   version_hist: Any
   version_bounds: Any
   write_pos: Any

@@ -105,3 +105,7 @@ class _PaddedView:
     self.next_key = state.next_key
     self.key = _padded(state.key, p, 0)
     self.priority = _padded(state.priority, p, 0.0)
+    if state.touched.size:  # stamps padded to P, the clock kept last (ordering.touch_age)
+      c = state.key.shape[0]
+      t = state.touched
+      self.touched = jnp.concatenate([_padded(t[:c], p, 0), t[c:]])

@@ -3,6 +3,10 @@
 Keys are uint32 insertion indices that wrap modulo 2**32, so "older" is
 decided by *age* ``next_key - key`` (mod 2**32), which orders every pair of
 items correctly as long as both were inserted within the last 2**32 inserts.
+Heap selectors break priority ties as Reverb does, by the least recent insert
+*or priority update*: the age ``clock - touched`` of ``TableState.touched``'s
+stamps (mod 2**32, correct while both items were touched within the last
+2**32 inserts and updates).
 """
 
 from __future__ import annotations
@@ -16,6 +20,12 @@ from funcreplay.core import selectors as sel
 def age(state, slots):
   """uint32 age of the items in ``slots`` (1 = newest)."""
   return state.next_key - state.key[slots]
+
+
+def touch_age(state, slots):
+  """uint32 age of the last insert or priority update of the items in ``slots``
+  (heap selectors only: ``state.touched`` holds the stamps, its last word the clock)."""
+  return state.touched[-1] - state.touched[slots]
 
 
 def priority_bits(priority):
@@ -39,7 +49,7 @@ def better_fn(selector, state):
 
     def better(a, b):
       pa, pb = state.priority[a] * sign, state.priority[b] * sign
-      return (pa < pb) | ((pa == pb) & older(a, b))
+      return (pa < pb) | ((pa == pb) & (touch_age(state, a) > touch_age(state, b)))
 
     return better
   raise TypeError(f"no order for selector {selector!r}")
@@ -63,9 +73,9 @@ def sorted_eligible(selector, state, eligible):
   elif isinstance(selector, sel.Lifo):
     keys = (inel, a)           # newest first
   elif isinstance(selector, sel.MinHeap):
-    keys = (inel, priority_bits(state.priority), ~a)
+    keys = (inel, priority_bits(state.priority), ~touch_age(state, slots))
   elif isinstance(selector, sel.MaxHeap):
-    keys = (inel, -priority_bits(state.priority), ~a)
+    keys = (inel, -priority_bits(state.priority), ~touch_age(state, slots))
   else:
     raise TypeError(f"{selector!r} is not a deterministic selector")
   out = lax.sort((*keys, slots), num_keys=len(keys))

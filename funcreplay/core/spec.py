@@ -115,6 +115,14 @@ class TableSpec:
             or (isinstance(self.remover, sel.Fifo) and self.remover.fill_holes))
 
   @property
+  def touch_stamps(self) -> bool:
+    """True when the state keeps ``TableState.touched`` (a ``MinHeap`` / ``MaxHeap``
+    sampler or remover: Reverb breaks their ties by the least recent insert or
+    priority update)."""
+    heaps = (sel.MinHeap, sel.MaxHeap)
+    return isinstance(self.sampler, heaps) or isinstance(self.remover, heaps)
+
+  @property
   def prioritized(self) -> bool:
     return isinstance(self.sampler, sel.Prioritized)
 

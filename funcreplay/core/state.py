@@ -50,6 +50,13 @@ class TableState:
       sampler only; shape [0] otherwise).
     remover_tree: int32[2P] arg-best tree of the next victim (Lifo / heap
       removers only; shape [0] otherwise).
+    touched: uint32[C + 1] (``spec.touch_stamps``: a heap sampler or remover;
+      shape [0] otherwise): ``touched[C]`` is a clock advanced by every
+      inserted row and every priority update, ``touched[s]`` its value at the
+      last insert or priority update of the item in slot ``s``. Heap
+      selectors break priority ties by this stamp's age (least recently
+      inserted or updated first, as Reverb), wrap-safe like keys
+      (``core.ordering.touch_age``).
     version_hist: int32[V] histogram of the newest versions, and
     version_bounds: int32[3] ``[newest version, older items, their lowest
       version]``: the index that counts fresh items without an O(C) pass
@@ -72,6 +79,7 @@ class TableState:
   occ_tree: jnp.ndarray
   weight_tree: jnp.ndarray
   remover_tree: jnp.ndarray
+  touched: jnp.ndarray
   version_hist: jnp.ndarray
   version_bounds: jnp.ndarray
   ledger: jnp.ndarray
@@ -184,6 +192,7 @@ def init_state(spec: TableSpec) -> TableState:
       occ_tree=jnp.zeros((2 * p,), jnp.int32),
       weight_tree=jnp.zeros((2 * p if spec.prioritized else 0,), jnp.float32),
       remover_tree=jnp.full((2 * p if spec.needs_remover_tree else 0,), -1, jnp.int32),
+      touched=jnp.zeros((c + 1 if spec.touch_stamps else 0,), jnp.uint32),
       version_hist=version_hist,
       version_bounds=version_bounds,
       ledger=pack_ledger(write_pos=jnp.zeros((), jnp.int32), next_key=jnp.zeros((), jnp.uint32),

@@ -75,14 +75,16 @@ def _byte_rows(spec: TableSpec) -> bool:
 
 
 def supports_insert(spec: TableSpec) -> bool:
-  """True if ``insert`` on ``spec`` has a native kernel (any sampler, the ``Fifo`` ring
-  remover, whole-byte item dtypes)."""
-  return sel.is_ring(spec.remover) and _byte_rows(spec)
+  """True if ``insert`` on ``spec`` has a native kernel (the ``Fifo`` ring remover,
+  whole-byte item dtypes, any sampler but a heap: the kernels do not keep the
+  heaps' ``TableState.touched`` stamps, so those specs run the portable op)."""
+  return sel.is_ring(spec.remover) and _byte_rows(spec) and not spec.touch_stamps
 
 
 def supports_update_priorities(spec: TableSpec) -> bool:
-  """True if ``update_priorities`` on ``spec`` has a native kernel (no order tree)."""
-  return not spec.needs_remover_tree
+  """True if ``update_priorities`` on ``spec`` has a native kernel (no order tree, no
+  heap sampler: ``TableState.touched`` is kept by the portable op only)."""
+  return not spec.needs_remover_tree and not spec.touch_stamps
 
 
 def supports_sample(spec: TableSpec, stratified: bool) -> bool:

@@ -1,9 +1,12 @@
 """``update_priorities`` in one CPU kernel (``UpdatePrioritiesImpl``).
 
-For tables without an order tree (``Fifo`` / ``Uniform`` remover). The key
-guard, last-write-wins, sanitizing, the weight-tree refresh and the ledger
-(``max_priority``, the ``invalid_priorities`` counter) happen in the kernel; ``priority**alpha`` of the sanitized priorities is computed here with
-the portable expression, so the tree matches the portable path bit for bit.
+For tables without an order tree (``Fifo`` / ``Uniform`` remover) and
+without a heap sampler (whose ``TableState.touched`` stamps only the portable
+op keeps). The key guard, last-write-wins, sanitizing, the weight-tree
+refresh and the ledger (``max_priority``, the ``invalid_priorities`` counter)
+happen in the kernel; ``priority**alpha`` of the sanitized priorities is
+computed here with the portable expression, so the tree matches the portable
+path bit for bit.
 """
 
 from __future__ import annotations

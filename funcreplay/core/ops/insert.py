@@ -63,7 +63,7 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     are used first; when full, the remover chooses a victim per row among
     the items and the row itself, as Reverb does (it inserts, then evicts):
     ``Lifo`` evicts the new row at once, a heap remover evicts it when its
-    priority is the worst (ties: the older item goes), ``Uniform`` with
+    priority is the worst (ties: the existing item, touched less recently, goes), ``Uniform`` with
     probability ``1 / (C + 1)``; such a row counts as inserted and evicted.
     The ``Fifo`` remover is a ring: the oldest-*written* slot is overwritten,
     whether its item is still present or a hole left by a delete
@@ -127,6 +127,11 @@ def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_r
   hist, bounds = staleness.advance(spec, state.version_hist, state.version_bounds, versions, mask)
   state = state.replace(version_hist=hist, version_bounds=bounds)
   columns = dict(key=keys, version=versions, priority=prios, metadata=meta_rows)
+  if spec.touch_stamps:
+    # Row r's stamp is clock + rank, as if inserted one at a time; advance the
+    # clock first (like next_key): stamp ages order the heap trees.
+    columns["touched"] = state.touched[cap] + rank.astype(jnp.uint32)
+    state = state.replace(touched=state.touched.at[cap].add(n_real.astype(jnp.uint32)))
 
   if sel.is_ring(spec.remover):
     slots = (state.write_pos + rank) % cap
@@ -174,6 +179,10 @@ def _write(spec, state, slots, write, items, columns):
       metadata={k: put(v, columns["metadata"][k]) for k, v in state.metadata.items()},
       version_hist=hist, version_bounds=bounds,
   )
+  if "touched" in columns:
+    # touched[cap] is the clock: masked rows go past it (dropped).
+    state = state.replace(touched=state.touched.at[jnp.where(write, slots, cap + 1)].set(
+        columns["touched"], mode="drop"))
   return indexes.refresh(spec, state, slots, write)
 
 
@@ -202,6 +211,8 @@ def _insert_with_victims(spec, state, need, items, columns, rng):
       cols = dict(key=columns["key"][r][None], version=columns["version"][r][None],
                   priority=columns["priority"][r][None],
                   metadata={k: v[r][None] for k, v in columns["metadata"].items()})
+      if "touched" in columns:
+        cols["touched"] = columns["touched"][r][None]
       return _write(spec, st, vs, jnp.ones((1,), bool), row, cols)
 
     def drop(st, victim):
@@ -232,7 +243,8 @@ def new_item_is_victim(remover, state, priority, *, victim=None, u=None):
   Reverb inserts first, then asks the remover for a victim among the ``C + 1``
   items. ``Fifo``: never (the new item is the newest). ``Lifo``: always.
   ``MinHeap`` / ``MaxHeap``: when the new ``priority`` is strictly lower /
-  higher than the best existing ``victim``'s (on a tie the older item goes).
+  higher than the best existing ``victim``'s (on a tie the item least recently
+  inserted or updated goes, never the new one).
   ``Uniform``: with probability ``1 / (C + 1)`` from the uniform ``u``.
 
   Returns:

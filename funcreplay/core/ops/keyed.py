@@ -23,7 +23,9 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
 
   Duplicate slots in one call: the last occurrence wins. Negative, NaN or
   infinite priorities are stored as 0 and counted in
-  ``stats().invalid_priorities`` (the host ``Table`` raises instead).
+  ``stats().invalid_priorities`` (the host ``Table`` raises instead). Under a
+  heap sampler or remover each applied update stamps its item
+  (``TableState.touched``): ties then prefer the least recently updated.
   ``native``: an executor (``core.executor``) whose CPU kernel runs where one applies.
   """
   slots = jnp.asarray(slots, jnp.int32)
@@ -56,6 +58,14 @@ def general_update_priorities(spec: TableSpec, state: TableState, slots, keys, p
   c["invalid_priorities"] = ctr.add(c["invalid_priorities"], n_bad)
   max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(win, clean, 0.0), initial=0.0))
   state = state.replace(priority=prio, counters=c, max_priority=max_p)
+  if spec.touch_stamps:
+    # Reverb's heaps break ties by the least recent insert *or update*: update
+    # k of this call gets stamp clock + k (a later duplicate wins, later stamp).
+    k, cap = slots.shape[0], spec.capacity
+    clock = state.touched[cap]
+    touched = state.touched.at[jnp.where(win, safe, cap + 1)].set(
+        clock + jnp.arange(k, dtype=jnp.uint32), mode="drop")
+    state = state.replace(touched=touched.at[cap].set(clock + jnp.uint32(k)))
   # Occupancy is unchanged: only the trees ordered by priority move.
   return indexes.refresh(spec, state, safe, win, which=("weight_tree", "remover_tree"))
 
