@@ -35,7 +35,9 @@ from funcreplay.core.state import TableState
 def applies(spec: TableSpec, *, mask=None) -> bool:
   """True when ``insert`` below may replace the general ``ops.insert`` (static)."""
   # The ring only: Fifo(fill_holes=True) (Reverb's FIFO remover) fills free slots first.
-  return (type(spec.remover) is sel.Fifo and not spec.remover.fill_holes and mask is None)
+  # Heap specs keep touch stamps (spec.touch_stamps), which only the general insert writes.
+  return (type(spec.remover) is sel.Fifo and not spec.remover.fill_holes and mask is None
+          and not spec.touch_stamps)
 
 
 def _rows(x, b, dtype):

@@ -21,7 +21,8 @@ from funcreplay.core.state import TableState
 def applies(spec: TableSpec) -> bool:
   """True when ``update_priorities`` below may replace ``ops.update_priorities`` (static):
   no order tree (a ``Fifo`` or ``Uniform`` remover)."""
-  return not spec.needs_remover_tree
+  # Heap specs keep touch stamps (spec.touch_stamps), which only the general update writes.
+  return not spec.needs_remover_tree and not spec.touch_stamps
 
 
 def update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities):
