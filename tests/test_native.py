@@ -107,7 +107,10 @@ def test_state_and_outputs_match_portable_bookkeeping(cap, filled, b, replace, m
                                                       holes, alpha):
   sampler = fr.Uniform() if alpha is None else fr.Prioritized(alpha)
   # A samples-per-insert ratio of 5/2: the kernel keeps the limiter's diff too.
-  spec = fr.TableSpec(cap, ITEM, sampler=sampler, max_times_sampled=mts, max_staleness=2,
+  # Cases without a version mask use a spec without max_staleness: a pure sample of a
+  # spec with max_staleness needs a version (issue 25: no silent stale samples).
+  staleness = None if masks in ("none", "where") else 2
+  spec = fr.TableSpec(cap, ITEM, sampler=sampler, max_times_sampled=mts, max_staleness=staleness,
                       rate_limiter=fr.SampleToInsertRatio(2.5, 1, (-1e6, 1e6)))
   t = _table(spec, use_native=False)
   st = t.init()

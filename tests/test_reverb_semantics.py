@@ -18,6 +18,7 @@ from scipy import stats as sstats
 
 import funcreplay as fr
 from funcreplay import checkpoint
+from funcreplay.checkpoint import format as fmt
 from tests.helpers import ITEM, assert_trees_consistent, counters_dict, items_from_ids, jitted
 
 # Every test here runs against both implementations (see conftest.py).
@@ -307,6 +308,7 @@ def test_older_checkpoint_without_stamps_keeps_insertion_order(tmp_path):
   (old,) = [e for e in manifest["arrays"] if e["leaf"] == ".touched"]
   manifest["arrays"].remove(old)
   os.remove(os.path.join(path, old["file"]))
+  manifest[fmt.MANIFEST_CRC] = fmt.manifest_crc32(manifest)  # the edit is the test's own
   with open(mpath, "w") as fh:
     json.dump(manifest, fh)
   restored, _ = checkpoint.restore(path)
