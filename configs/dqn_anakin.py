@@ -33,7 +33,8 @@ changed, measured with the 150k-step budget and the goal 475:
   to pull a 20-episode mean below 475;
 * the same with 3-step targets (``n_step`` = 3, the default): seeds 0-4 at
   48k-84k env steps, and seeds 5-19 all at 20k-64k. n-step returns spread
-  the reward over the 100-step horizon of gamma = 0.99 three times faster. Run without stopping (``--config.stop_at_return=False``),
+  the reward over the 100-step horizon of gamma = 0.99 three times faster.
+  Run without stopping (``--config.stop_at_return=False``),
   seeds 0 and 1 then hold a mean return of 500 from 68k and 52k env steps to
   124k; seed 0 dips to 392 at 132k and is back at 471-489 by 152k, seed 1
   stays at 500 to the end.

@@ -456,7 +456,7 @@ def _prioritized_group(sz: Sizes, peers, rows_out: list):
   trl = _try_import("torchrl") if "torchrl" in peers else None
   if trl is not None:
     try:
-      import torch
+      import torch  # noqa: F401 (torchrl needs it importable)
       from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
       prb_t = TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4,
                                                 storage=LazyTensorStorage(sz.capacity))

@@ -44,8 +44,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
-from funcreplay.core import packing  # noqa: E402
 from funcreplay import Table  # noqa: E402
+from funcreplay.core import packing  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("threads", "1,4,8", "comma-separated producer thread counts")

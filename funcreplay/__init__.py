@@ -26,7 +26,7 @@ from funcreplay.core.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized,
 from funcreplay.core.signature import Signature, check_items
 from funcreplay.core.spec import TableSpec, queue, stack
 from funcreplay.core.state import Sample, SampleInfo, TableState, state_counters
-from funcreplay.core.version import VERSION as __version__
+from funcreplay.core.version import VERSION as __version__  # noqa: F401 (public)
 
 # Public name -> (module, attribute; None: the module itself), imported on first use.
 _LAZY = {

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import funcreplay as fr
+from funcreplay import Table, TableClosedError
 from funcreplay.host.ingest import (
   Ingestor,
   IngestorClosedError,
@@ -26,7 +27,6 @@ from funcreplay.host.ingest import (
   IngestorFullError,
 )
 from funcreplay.host.itemcheck import ItemChecker, stack_leaf
-from funcreplay import Table, TableClosedError
 from tests.helpers import ITEM
 
 PLAIN = fr.TableSpec(256, ITEM)

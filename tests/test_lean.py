@@ -12,8 +12,8 @@ from scipy import stats
 import funcreplay as fr
 from funcreplay.core import bits as draws
 from funcreplay.core import hlo, ops, trees
-from funcreplay.core.ops import keyed
 from funcreplay.core.ops import insert_lean as lean_insert
+from funcreplay.core.ops import keyed
 from funcreplay.core.ops import priorities_lean as lean_update
 from funcreplay.core.sampling import prioritized_lean as lean_prio
 from funcreplay.core.sampling import uniform_lean as lean_uniform

@@ -29,13 +29,9 @@ from hypothesis import strategies as st
 from jax import lax
 
 import funcreplay as fr
-from funcreplay.core import indexes
 from funcreplay import native
-from funcreplay.core import ops
-from funcreplay.core import packing
-from funcreplay.core import sampling
 from funcreplay.checkpoint import record
-from funcreplay.core import ledger
+from funcreplay.core import indexes, ledger, ops, packing, sampling
 from funcreplay.native import sample as native_sample
 from tests.helpers import ITEM, assert_trees_consistent, items_from_ids, require_native_kernels
 

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import funcreplay as fr
-from funcreplay.core import counters as ctr
 from funcreplay.checkpoint import record
+from funcreplay.core import counters as ctr
 from funcreplay.core import ledger as ledger_lib
 from tests.helpers import ITEM, items_from_ids
 

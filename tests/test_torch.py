@@ -379,7 +379,8 @@ def test_packed_info_columns_are_views_made_on_first_read(parts):
   for _ in range(3):
     twin_a.insert(_rows(64, 32))
     twin_a.sample_packed(6 * parts)
-  np.testing.assert_array_equal(fresh.slot.numpy(), np.asarray(twin_b.sample(6 * parts).info.slot)[:6])
+  np.testing.assert_array_equal(fresh.slot.numpy(),
+                                np.asarray(twin_b.sample(6 * parts).info.slot)[:6])
   twin_a.close()
   twin_b.close()
 

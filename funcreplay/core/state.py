@@ -12,7 +12,6 @@ from typing import Any, Dict
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from funcreplay.core import counters as ctr
 from funcreplay.core import signature as sig_lib

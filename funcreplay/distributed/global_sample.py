@@ -50,9 +50,8 @@ def sample_global(ctx, state: TableState, rng, *, batch_size: int, version=None,
   counters). ``info.probability`` is ``w_i / W`` over all shards and
   ``num_eligible`` the global eligible count.
   """
-  spec, local, lspec, n, axis, sh, rep, smap, shard_id = (ctx.spec, ctx.local, ctx.lspec, ctx.n,
-                                                          ctx.axis, ctx.sh, ctx.rep, ctx.smap,
-                                                          ctx.shard_id)
+  spec, lspec, n, axis, sh, rep, smap, shard_id = (ctx.spec, ctx.lspec, ctx.n, ctx.axis,
+                                                   ctx.sh, ctx.rep, ctx.smap, ctx.shard_id)
   if sel.is_ordered(spec.sampler):
     raise ValueError(f"sample_global: the deterministic {type(spec.sampler).__name__} sampler "
                      "has no global order across shards (keys are per shard); use sample() "

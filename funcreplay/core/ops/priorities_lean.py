@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from funcreplay.core import bits, indexes, trees
-from funcreplay.core.inplace import after
 from funcreplay.core import counters as ctr
+from funcreplay.core.inplace import after
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 

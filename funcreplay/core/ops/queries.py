@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import indexes, inplace, staleness
+from funcreplay.core import indexes, staleness
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 

@@ -25,10 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import indexes, inplace, staleness, trees
+from funcreplay.core import indexes, inplace, trees
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
-
 
 # Rounds of candidate draws in ``draw_weighted`` before the exact O(C)
 # completion (``_complete``) finishes the batch. Round 0 nearly always fills it;

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import executor, indexes, inplace, numerics, ops, ordering, packing, staleness
+from funcreplay.core import executor, indexes, inplace, numerics, ops, ordering, packing
 from funcreplay.core import selectors as sel
 from funcreplay.core.sampling import prioritized_lean, uniform_lean
 from funcreplay.core.sampling.draw import Weights as _Weights
@@ -28,7 +28,7 @@ from funcreplay.core.sampling.draw import restore_zeroed, ring_window
 from funcreplay.core.sampling.eligibility import eligibility, eligible_weight
 from funcreplay.core.sampling.finish import finish as _finish
 from funcreplay.core.spec import TableSpec
-from funcreplay.core.state import Sample, TableState
+from funcreplay.core.state import TableState
 
 MAX_BATCH_SIZE = 2**31 - 1  # rows (and slots) are indexed with int32
 

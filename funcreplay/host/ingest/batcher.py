@@ -8,8 +8,6 @@ batch bucket up front.
 
 from __future__ import annotations
 
-import time
-
 import jax
 import numpy as np
 

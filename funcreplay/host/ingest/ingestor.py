@@ -54,7 +54,7 @@ from typing import Optional, Union
 
 from funcreplay.host import validation
 from funcreplay.host.ingest.batcher import Batcher
-from funcreplay.host.ingest.errors import IngestorError, IngestorFullError, IngestorStats
+from funcreplay.host.ingest.errors import IngestorStats
 from funcreplay.host.ingest.queue import NEVER as _NEVER
 from funcreplay.host.ingest.queue import ProducerQueue
 from funcreplay.host.ingest.worker import InsertWorker
