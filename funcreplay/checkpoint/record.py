@@ -5,18 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict
 
-import jax
-
 from funcreplay.core.ledger import LEDGER_FIELDS, ledger_fields, pack_ledger
-from funcreplay.core.state import TableState
+from funcreplay.core.state import TableState, register_dataclass
 
 
-def _register(cls):
-  fields = [f.name for f in dataclasses.fields(cls)]
-  return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
-
-
-@_register
+@register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StateRecord:
   """A ``TableState`` with the ledger unpacked: every scalar and counter its own leaf.

@@ -24,12 +24,13 @@ from funcreplay.core.ledger import ledger_word as _ledger_word
 from funcreplay.core.spec import TableSpec
 
 
-def _register(cls):
+def register_dataclass(cls):
+  """Register a frozen dataclass as a pytree whose every field is a leaf (no static fields)."""
   fields = [f.name for f in dataclasses.fields(cls)]
   return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
 
 
-@_register
+@register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TableState:
   """The whole table as a pytree of preallocated arrays (C = capacity, P = tree size).
@@ -124,7 +125,7 @@ class TableState:
     return self.occ_tree[1]
 
 
-@_register
+@register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampleInfo:
   """Per-row metadata of a sample (B = batch size). Invalid rows hold slot -1.
@@ -147,7 +148,7 @@ class SampleInfo:
   version: jnp.ndarray
 
 
-@_register
+@register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Sample:
   """A batch from ``sample``.
