@@ -141,6 +141,43 @@ def test_restore_during_a_live_overwrite_returns_a_whole_checkpoint(tmp_path, mo
   assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
+def test_info_during_a_live_overwrite_reads_again(tmp_path, monkeypatch):
+  """``checkpoint.info`` racing the two-rename overwrite: the copy it picked is renamed away
+  while it reads the manifest; it reads again and describes the new checkpoint."""
+  monkeypatch.setattr(swap, "RENAMEAT2", None)
+  path = tmp_path / "c"
+  _table(1).save(path, extra={"fill": 1})
+  new = _table(2)
+  in_window, go = threading.Event(), threading.Event()
+  real_rename, real_manifest = os.rename, fmt.read_manifest
+
+  def rename(a, b):
+    real_rename(a, b)
+    if os.path.basename(b).startswith(fmt.TRASH_PREFIX) and not in_window.is_set():
+      in_window.set()
+      assert go.wait(60)
+
+  monkeypatch.setattr(fmt.os, "rename", rename)
+  saver = threading.Thread(target=new.save, args=(path,),
+                           kwargs={"overwrite": True, "extra": {"fill": 2}})
+  saver.start()
+  assert in_window.wait(60)
+  reads = []
+
+  def read_manifest(where, *a, **kw):  # the saver finishes (renames `where` away) first
+    reads.append(os.path.basename(where))
+    if len(reads) == 1:
+      go.set()
+      saver.join(60)
+    return real_manifest(where, *a, **kw)
+
+  monkeypatch.setattr(ck_core.fmt, "read_manifest", read_manifest)
+  got = ck.info(path)
+  assert not saver.is_alive()
+  assert reads[0].startswith(fmt.TMP_PREFIX) and reads[-1] == "c", reads
+  assert got.extra == {"fill": 2} and os.path.basename(got.path) == "c"
+
+
 def _exchange_works(tmp_path) -> bool:
   a, b = tmp_path / "probe-a", tmp_path / "probe-b"
   a.mkdir()

@@ -386,8 +386,12 @@ class CheckpointInfo:
 
 
 def info(path) -> CheckpointInfo:
-  """Read only the manifest of a checkpoint (or the newest one in a directory)."""
-  path = resolve(path)
+  """Read only the manifest of a checkpoint (or the newest one in a directory); a read
+  racing ``save(overwrite=True)`` is read again, as in ``restore`` (``swap.read_stable``)."""
+  return swap.read_stable(path, resolve, lambda: _info_once(resolve(path)))
+
+
+def _info_once(path) -> CheckpointInfo:
   m = fmt.read_manifest(path)
   return CheckpointInfo(path=path, spec=m.get("spec"), num_shards=m.get("num_shards"),
                         funcreplay_version=m.get("funcreplay_version"),
