@@ -73,7 +73,8 @@ def producer(address, mode, n, barrier, out):
 def ingest(address, mode, producers, n):
   ctx = mp.get_context("spawn")
   barrier, out = ctx.Barrier(producers), ctx.Queue()
-  ps = [ctx.Process(target=producer, args=(address, mode, n, barrier, out)) for _ in range(producers)]
+  ps = [ctx.Process(target=producer, args=(address, mode, n, barrier, out))
+        for _ in range(producers)]
   for p in ps:
     p.start()
   times = [out.get(timeout=600) for _ in ps]
