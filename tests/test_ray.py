@@ -46,14 +46,19 @@ def spec(capacity=256, **kw):
 def cluster():
   # Workers inherit this environment (the worktree on PYTHONPATH, CPU-only JAX).
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  old = os.environ.get("PYTHONPATH")
   os.environ["PYTHONPATH"] = os.pathsep.join(
-      [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+      [root] + [p for p in (old or "").split(os.pathsep) if p])
   # Producer / learner classes below travel by value (workers need not import tests/).
   ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
   ray.init(num_cpus=2, include_dashboard=False, namespace="funcreplay-tests",
            log_to_driver=False)
   yield
   ray.shutdown()
+  if old is None:
+    os.environ.pop("PYTHONPATH", None)
+  else:
+    os.environ["PYTHONPATH"] = old
 
 
 _names = iter(range(10**6))
