@@ -13,6 +13,7 @@ import dataclasses
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -51,8 +52,10 @@ def cluster():
       [root] + [p for p in (old or "").split(os.pathsep) if p])
   # Producer / learner classes below travel by value (workers need not import tests/).
   ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-  ray.init(num_cpus=2, include_dashboard=False, namespace="funcreplay-tests",
-           log_to_driver=False)
+  with warnings.catch_warnings():  # JAX's fork warning: Ray forks only to exec its daemons
+    warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
+    ray.init(num_cpus=2, include_dashboard=False, namespace="funcreplay-tests",
+             log_to_driver=False)
   yield
   ray.shutdown()
   if old is None:
@@ -426,3 +429,20 @@ def test_prefetch_torch_batches_and_the_colocated_learner():
   pid, in_place, ptrs = rt.run(colocated, 3, timeout=WAIT_S)
   assert pid == rt.info["pid"] and in_place and ptrs == [True] * 3
   rt.close()
+
+
+@pytest.mark.slow  # ~13 s: three more worker processes
+def test_async_rollouts_experiment_smoke(tmp_path):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, root)
+  from configs import async_rollouts_ray as cfg
+  from experiments import async_rollouts_ray
+
+  c = cfg.get_config("tiny")
+  s = async_rollouts_ray.run(c, str(tmp_path), verbose=False)
+  assert s["learner_steps"] == c.learner_steps
+  st = s["table_stats"]
+  assert st["inserts"] == sum(s["inserted_per_producer"]) > 0
+  assert st["size"] + removed(st) == st["inserts"]
+  assert 0 <= s["mean_staleness_trained"] <= c.max_staleness
+  assert os.path.exists(tmp_path / "summary.json")

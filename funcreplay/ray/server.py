@@ -30,6 +30,7 @@ import functools
 import os
 import time
 import types
+import warnings
 from typing import Any, Callable, Optional
 
 import jax
@@ -184,9 +185,11 @@ class TableServer:
   def info(self) -> dict:
     import ray  # in the actor's process, Ray is there
     ctx = ray.get_runtime_context()
+    with warnings.catch_warnings():  # Ray 2.60 warns about its own use of a deprecated API
+      warnings.simplefilter("ignore", DeprecationWarning)
+      restarted = bool(ctx.was_current_actor_reconstructed)
     return dict(name=self._name, spec_json=self._spec_json,
-                pid=os.getpid(), node_id=ctx.get_node_id(),
-                restarted=bool(ctx.was_current_actor_reconstructed),
+                pid=os.getpid(), node_id=ctx.get_node_id(), restarted=restarted,
                 restored_from=self._restored_from, version=self._table.version,
                 size=self._table.size, started=self._started)
 
