@@ -50,7 +50,8 @@ def wait_reply(ref, timeout: Optional[float], what: str, name: str):
     raise TableUnavailableError(
         f"{what}: the replay actor {name!r} is gone or unreachable ({type(e).__name__}: "
         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}). If it was created with "
-        "max_restarts and a checkpoint_dir it is restoring; connect again.") from e
+        "max_restarts it may be restarting (from its newest checkpoint, with checkpoint_dir): "
+        "later calls on the same handle reach it once it is back.") from e
 
 
 def as_sample(result):
