@@ -402,7 +402,10 @@ def test_calls_after_close_raise_and_writers_fail_loudly():
   rt = fresh()
   w = rt.writer(batch_size=4, max_wait_s=3600.0)
   w.put(item(0))
+  blocked = rt.sample_async(1, timeout=WAIT_S)       # waits in the actor: the table is empty
   rt.close()
+  with pytest.raises((fr.TableClosedError, frr.TableUnavailableError)):  # woken, not hung
+    frr.calls.wait_reply(blocked, WAIT_S, "Table.sample", rt.name)
   for call in (rt.count, rt.stats, lambda: rt.sample(1, timeout=1.0), lambda: rt.insert(batch(1))):
     with pytest.raises(frr.TableUnavailableError, match="is gone"):
       call()

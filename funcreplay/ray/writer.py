@@ -44,6 +44,7 @@ from funcreplay.ray import batching
 from funcreplay.ray.calls import require_ray
 from funcreplay.ray.errors import (
   WriterClosedError,
+  WriterError,
   WriterFullError,
   WriterStats,
 )
@@ -210,7 +211,10 @@ class RemoteWriter(InFlightBatches):
         self._discarded += len(self._buf)
         self._buf = []
       if self._error is None:
-        self._drain(timeout, CLOSE_STALL_S, "close")
+        try:
+          self._drain(timeout, CLOSE_STALL_S, "close")
+        except WriterError:
+          pass  # self._error is set: reported (once) below
       self._closed = True
       if self._error is not None and not self._error_reported:
         self._error_reported = True
