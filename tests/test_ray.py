@@ -27,6 +27,8 @@ pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(180)]
 
 ITEM = {"obs": np.zeros((4,), np.float32), "step": np.zeros((), np.int32)}
 WAIT_S = 60.0  # bound on every wait for another process in these tests
+# The tests move kilobytes; a small object store keeps /dev/shm free on CI machines.
+OBJECT_STORE_BYTES = 128 * 1024**2
 
 
 def item(i: int, pid: int = 0):
@@ -55,7 +57,7 @@ def cluster():
   with warnings.catch_warnings():  # JAX's fork warning: Ray forks only to exec its daemons
     warnings.filterwarnings("ignore", "os.fork", RuntimeWarning)
     ray.init(num_cpus=2, include_dashboard=False, namespace="funcreplay-tests",
-             log_to_driver=False)
+             log_to_driver=False, object_store_memory=OBJECT_STORE_BYTES)
   yield
   ray.shutdown()
   if old is None:
