@@ -489,3 +489,15 @@ def test_async_rollouts_experiment_smoke(tmp_path):
   assert st["size"] + removed(st) == st["inserts"]
   assert 0 <= s["mean_staleness_trained"] <= c.max_staleness
   assert os.path.exists(tmp_path / "summary.json")
+
+
+def test_without_ray_the_package_imports_and_connect_says_what_to_install():
+  import subprocess
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  code = ("import sys; sys.modules['ray'] = None\n"   # as if Ray were not installed
+          "import funcreplay.ray as frr, funcreplay.torch\n"
+          "try:\n  frr.connect('x')\nexcept ImportError as e:\n  print('ERR', e)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "ERR funcreplay.ray needs Ray: pip install 'funcreplay[ray]'" in out.stdout
