@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[torch,test,experiments,bench]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[torch,test,experiments,bench,ray]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -20,10 +20,10 @@ demo: $(STAMP)
 	$(PY) experiments/dqn_anakin.py --config=configs/dqn_anakin.py --workdir=runs/dqn_anakin
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow" tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 # No test XLA_FLAGS here: the cheap-compile flags of tests/conftest.py would distort timings.
 bench: $(STAMP)

@@ -33,6 +33,7 @@ LAYERS = {
     "funcreplay.host": 6,
     "funcreplay.distributed": 7,
     "funcreplay.checkpoint": 8,
+    "funcreplay.ray": 8.5,  # the replay service on Ray (issue 27): above checkpoint, below interop
     "funcreplay.interop": 9,
     "funcreplay.torch": 10,
     "funcreplay": 11,  # funcreplay/__init__.py: the public names

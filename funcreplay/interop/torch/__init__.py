@@ -79,10 +79,12 @@ from funcreplay.interop.torch.dlpack import (
     to_torch_with_report,
 )
 from funcreplay.interop.torch.packed import packed_batches, packed_to_torch
+from funcreplay.interop.torch.remote import RemoteTorchSampler
 from funcreplay.interop.torch.sampler import TorchSampler
 
 __all__ = [
     "BridgeCopyWarning", "TransferReport", "to_torch", "to_torch_with_report", "from_torch",
     "from_torch_with_report", "TorchInfo", "TorchBatch", "sample_to_torch", "TorchSampler",
     "update_priorities", "priorities_to_numpy", "packed_to_torch", "packed_batches",
+    "RemoteTorchSampler",
 ]

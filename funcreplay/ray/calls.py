@@ -1,0 +1,59 @@
+"""Calls to the replay actor: replies within a timeout, the actor's errors as they were raised.
+
+Shared by the clients (``client``, ``writer``, ``prefetch``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from funcreplay.core.packing import PackedSample
+from funcreplay.ray.errors import TableUnavailableError
+
+# Added to a blocking call's own timeout before the caller stops waiting for the reply:
+# the transfer of a batch through the object store, and a busy actor's scheduling.
+RPC_SLACK_S = 30.0
+# Default bound on calls that never wait on the table (stats, count, set_version, ...).
+RPC_TIMEOUT_S = 60.0
+
+
+def require_ray():
+  """The ``ray`` module, or an ``ImportError`` saying how to get it."""
+  try:
+    import ray
+  except ImportError as e:
+    raise ImportError("funcreplay.ray needs Ray: pip install 'funcreplay[ray]' (or "
+                      "pip install ray).") from e
+  return ray
+
+
+def wait_reply(ref, timeout: Optional[float], what: str, name: str):
+  """``ray.get(ref)`` within ``timeout`` seconds, with the actor's errors as they were raised
+  (``ValueError``, ``TimeoutError``, ``TableClosedError``, ...), ``TableUnavailableError``
+  when the actor is gone and ``TimeoutError`` when no reply came in time."""
+  ray = require_ray()
+  from ray import exceptions as rex
+  try:
+    return ray.get(ref, timeout=timeout)
+  except rex.RayTaskError as e:
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+      if hasattr(cause, "add_note"):
+        cause.add_note(f"(raised in the replay actor {name!r})")
+      raise cause from None
+    raise
+  except rex.GetTimeoutError:
+    raise TimeoutError(f"{what}: no reply from the replay actor {name!r} within {timeout} s "
+                       "(it is alive but busy or blocked, or the network is slow). The call may "
+                       "still run in the actor.") from None
+  except (rex.RayActorError, rex.ActorUnavailableError) as e:
+    raise TableUnavailableError(
+        f"{what}: the replay actor {name!r} is gone or unreachable ({type(e).__name__}: "
+        f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}). If it was created with "
+        "max_restarts it may be restarting (from its newest checkpoint, with checkpoint_dir): "
+        "later calls on the same handle reach it once it is back.") from e
+
+
+def as_sample(result):
+  """A ``Sample`` of numpy arrays from what the actor's ``sample`` returned."""
+  return result.numpy() if isinstance(result, PackedSample) else result
