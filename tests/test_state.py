@@ -7,6 +7,8 @@ writes through ``state.replace``; checkpoints store the unpacked
 
 from __future__ import annotations
 
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,3 +125,17 @@ def test_record_keeps_the_checkpoint_leaf_names():
   np.testing.assert_array_equal(back.ledger, s.ledger)
   for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(s)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_spec_and_signature_pickle_round_trip():
+  """A TableSpec crosses process boundaries (Ray actors, spawned workers) by pickle."""
+
+  item = {"obs": jnp.zeros((3, 2), jnp.uint8), "pair": (jnp.zeros((), jnp.int32),
+                                                        jnp.zeros((4,), jnp.float32))}
+  spec = fr.TableSpec(16, item, sampler=fr.Prioritized(0.6), remover=fr.MinHeap(),
+                      max_times_sampled=2, max_staleness=3, metadata=("task",))
+  back = pickle.loads(pickle.dumps(spec))
+  assert back == spec and hash(back) == hash(spec)
+  assert back.signature.names == spec.signature.names
+  with pytest.raises(AttributeError, match="immutable"):
+    back.signature.leaves = ()

@@ -57,6 +57,11 @@ class Signature:
   def __setattr__(self, *_):
     raise AttributeError("Signature is immutable")
 
+  def __reduce__(self):
+    # Pickled as the tree it was built from (the default would set the slots, which the
+    # immutability above refuses): a TableSpec crosses process boundaries (Ray, spawn).
+    return (Signature, (self.tree,))
+
   @property
   def tree(self):
     """The signature as a pytree of ``jax.ShapeDtypeStruct``."""
