@@ -115,8 +115,8 @@ def read_into(table, path, *, verify: bool = True, check: bool = True):
   if check:
     consistency.check_state(table.spec, r.state)
   if r.host is None:
-    return r.state, None, None
-  return r.state, r.host["version"], r.host["rng"]
+    return r.state, None, None, None
+  return r.state, r.host["version"], r.host["rng"], None
 
 
 # Table.save / Table.restore / Table.load call these (the host layer never imports this one).
