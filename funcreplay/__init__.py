@@ -63,6 +63,7 @@ _LAZY = {
     "HostSample": ("funcreplay.host.rollout.batch", "HostSample"),
     "RaggedBatch": ("funcreplay.host.rollout.batch", "RaggedBatch"),
     "Receipt": ("funcreplay.host.rollout.mixin", "Receipt"),
+    "GroupWriter": ("funcreplay.host.rollout.group_writer", "GroupWriter"),
 }
 
 
@@ -98,4 +99,5 @@ __all__ = [
     "SequenceWriter", "WriterStats", "sequence_signature", "native", "PackedSample",
     "PackedLayout", "PackedField", "clear_caches",
     "Column", "Ragged", "StalestFirst", "FreshestFirst", "HostSample", "RaggedBatch", "Receipt",
+    "GroupWriter",
 ]

@@ -47,6 +47,17 @@ class Receipt:
 class RolloutMixin:
   """``Table``'s grouped queries (see the module docstring)."""
 
+  @property
+  def keeps_payloads(self) -> bool:
+    """True if the table keeps one payload per item (``Table(..., payloads=True)``)."""
+    return self._sidecars is not None and self._sidecars.has_payloads
+
+  def ragged_memory(self) -> dict:
+    """Per ``Ragged`` leaf: bytes held by its arena and the live values' bytes."""
+    with self._cond:
+      self._check_open("ragged_memory")
+      return {} if self._sidecars is None else self._sidecars.memory()
+
   # -- argument handling ------------------------------------------------------------
   def _groups(self, column, values, what):
     """``(column, encoded int32[K'] padded values, K, original values)``."""
