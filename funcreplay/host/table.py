@@ -370,7 +370,8 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
     """Restore a table saved by ``save`` (``funcreplay.checkpoint.restore_table``)."""
     return checkpoint_io("restore")(path, **kwargs)
 
-  def load(self, path, *, verify: bool = True, check: bool = True) -> None:
+  def load(self, path, *, verify: bool = True, check: bool = True,
+           allow_pickle: bool = False) -> None:
     """Restore a checkpoint *into* this table (same spec): ingestors, samplers and
     threads holding this ``Table`` carry on with the loaded items, counters, PRNG key
     and version.
@@ -385,7 +386,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
     """
     self._check_open("load")
     state, version, rng, sidecar = checkpoint_io("load")(self, path, verify=verify,
-                                                         check=check)
+                                                         check=check, allow_pickle=allow_pickle)
     # The table's own copy, finished before the swap: a direct (in-place) sample may
     # read the buffers as soon as the lock is released.
     state = jax.block_until_ready(self._ops.copy(jax.tree_util.tree_map(jnp.asarray, state)))

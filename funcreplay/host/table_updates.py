@@ -140,8 +140,10 @@ class UpdatesMixin:
     """
     with self._cond:
       self._check_open("checkpoint_state")
-      return self._reading(self._ops.copy(self._state)), dict(version=self._version,
-                                               rng=np.array(self._rng, dtype=np.uint32))
+      host = dict(version=self._version, rng=np.array(self._rng, dtype=np.uint32))
+      if self._sidecars is not None:  # ragged values / payloads, from the same instant
+        host["sidecars"] = self._sidecars.snapshot()
+      return self._reading(self._ops.copy(self._state)), host
 
   def rng_key(self) -> jax.Array:
     """The host PRNG key (uint32[2]) the next sample will split."""

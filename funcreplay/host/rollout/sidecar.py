@@ -124,6 +124,13 @@ class Sidecars:
           raise ValueError(f"payloads: {len(payloads)} for {held.size} items.")
         self.payload[held] = list(payloads)
 
+  def snapshot(self) -> dict:
+    """Copies of the ragged values (per arena, ``[sum_len]`` over the occupied slots in
+    slot order) and the payloads of those slots (None without payloads)."""
+    held = np.nonzero(self.key >= 0)[0]
+    return {"ragged": [a.gather(held)[0] for a in self.arenas],
+            "payloads": None if self.payload is None else self.payload[held].tolist()}
+
   def rows(self, slots: np.ndarray, ragged: str):
     """``(RaggedBatch per arena, payload tuple or None)`` of ``slots`` (-1: empty row)."""
     batches = []
