@@ -221,3 +221,17 @@ def test_evict_receipt_and_expire_flip():
   r = t.evict_stale(receipt=True)
   assert sorted(r.metadata["task"].tolist()) == ["code", "math"] and len(t) == 0
   assert sorted(r.versions.tolist()) == [2, 2]
+
+
+def test_take_without_consuming_counts_reuse_and_frees_at_the_cap():
+  t = make(max_times_sampled=2, max_staleness=None)
+  put(t, range(4), [0, 1, 2, 3], ["math", "code", "math", "code"])
+  a = t.take_batch({"math": 1, "code": 1}, consume=False)
+  assert a["math"].data["x"].tolist() == [0] and a["code"].data["x"].tolist() == [1]
+  assert a["math"].info.times_sampled.tolist() == [1] and len(t) == 4
+  b = t.take_batch({"math": 1, "code": 1}, consume=False)
+  assert b["math"].data["x"].tolist() == [0] and b["code"].info.times_sampled.tolist() == [2]
+  s = t.stats().to_dict()
+  assert len(t) == 2 and s["evicted_reuse"] == 2 and s["samples"] == 4
+  c = t.take_batch({"math": 1, "code": 1}, consume=False)
+  assert c["math"].data["x"].tolist() == [2] and c["code"].data["x"].tolist() == [3]

@@ -123,9 +123,9 @@ class TableSpec:
 
   def column(self, name: str) -> Column:
     """The ``Column`` declared as ``name`` (ValueError naming the declared ones)."""
-    for c in self.columns:
-      if c.name == name:
-        return c
+    i = self.metadata.index(name) if name in self.metadata else -1
+    if i >= 0:
+      return self.columns[i]
     raise ValueError(f"unknown metadata column {name!r}; the spec declares {list(self.metadata)}.")
 
   @property

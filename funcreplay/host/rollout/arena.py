@@ -8,11 +8,13 @@ copies), and the buffer is then resized (``realloc``: in place when it shrinks) 
 ``(live + next write) / (1 - SLACK)``. So:
 
 * memory: right after a compaction the buffer holds ``live / (1 - SLACK)``
-  values (1.032x at ``SLACK = 1/32``), and it keeps that size until the next
-  compaction: it follows the live values down as well as up;
+  values (1.032x at ``SLACK = 1/32``); a ``free`` that leaves less than ``1 - 2 SLACK``
+  of it held compacts it down again, so the buffer is at most ``1 / (1 - 2 SLACK)``
+  (1.067x) of the values held, above ``MIN_SIZE`` (evictions reclaim memory at once);
 * time: a compaction copies at most the live values and leaves ``SLACK`` of the
-  buffer free, so it happens at most once per ``SLACK * size`` appended values:
-  amortized ``<= 1 / SLACK`` copies per appended value (memcpy speed);
+  buffer free (and ``1 - SLACK`` of it held), so it happens at most once per
+  ``SLACK * size`` values appended or freed: amortized ``<= 1 / SLACK`` copies per
+  appended or freed value (memcpy speed);
 * no fragmentation survives a compaction: holes are reclaimed as a whole.
 
 Slots are the table's slots (``funcreplay.host.rollout.sidecar`` attaches and
@@ -87,11 +89,24 @@ class RaggedArena:
   def release(self, staged: "Staged") -> None:
     """End ``staged``: its rows not attached are garbage from now on."""
     self._staged = [s for s in self._staged if s is not staged]
+    self._reclaim()  # rows never attached are garbage now
 
   def free(self, slots: np.ndarray) -> None:
-    """Release the values of ``slots`` (unique); their space returns at the next compaction."""
+    """Release the values of ``slots`` (unique). Once the held values (live and staged)
+    fall below ``(1 - 2 SLACK)`` of the buffer, compact it down to their ideal size: the
+    buffer never holds more than ``1 / (1 - 2 SLACK)`` times what it keeps (above
+    ``MIN_SIZE``), however many items leave at once."""
     self.live -= int(np.sum(self.len[slots], dtype=np.int64))
     self.len[slots] = 0
+    self._reclaim()
+
+  def _reclaim(self) -> None:
+    keep = self.live + self._staged_values()
+    if self.size > MIN_SIZE and keep < (1.0 - 2 * SLACK) * self.size:
+      self._compact(max(MIN_SIZE, math.ceil(keep / (1.0 - SLACK))))
+
+  def _staged_values(self) -> int:
+    return sum(int(st.lengths[st.active].sum()) for st in self._staged)
 
   def gather(self, slots: np.ndarray):
     """``(values [sum_len], lengths int32[B], starts int64[B+1])`` of ``slots`` (-1: empty)."""
@@ -108,7 +123,7 @@ class RaggedArena:
   def _reserve(self, n: int) -> None:
     if self.top + n <= self.size:
       return
-    need = self.live + n + sum(int(st.lengths[st.active].sum()) for st in self._staged)
+    need = self.live + n + self._staged_values()
     self._compact(max(MIN_SIZE, math.ceil(need / (1.0 - SLACK))))
 
   def _compact(self, new_size: int) -> None:
@@ -126,10 +141,18 @@ class RaggedArena:
     new_off = np.zeros_like(offs)
     new_off[order] = np.concatenate([[0], np.cumsum(lens[order][:-1])])
     buf = self.buf
-    for i in order.tolist():
-      o, n, d = int(offs[i]), int(lens[i]), int(new_off[i])
-      if o != d:  # d <= o: spans only move down
-        buf[d:d + n] = buf[o:o + n]
+    # Spans only move down (new offset <= old), in offset order. Consecutive spans with
+    # the same shift are contiguous at both ends: one slice copy moves each such run, so
+    # a compaction costs one memmove per hole, not one per item.
+    o_sorted, n_sorted, d_sorted = offs[order], lens[order], new_off[order]
+    shift = o_sorted - d_sorted
+    cuts = np.flatnonzero(np.diff(shift)) + 1
+    for a, b in zip(np.concatenate([[0], cuts]).tolist(),
+                    np.concatenate([cuts, [order.size]]).tolist()):
+      if b > a and shift[a] > 0:
+        src, dst = int(o_sorted[a]), int(d_sorted[a])
+        n = int(o_sorted[b - 1] + n_sorted[b - 1]) - src
+        buf[dst:dst + n] = buf[src:src + n]
     self.off[held] = new_off[:held.size]
     k = held.size
     for st in self._staged:

@@ -115,7 +115,8 @@ class RolloutMixin:
 
   def take_batch(self, counts: Mapping[Any, int], *, column: str = "task", where=None,
                  timeout: Optional[float] = None, version: Optional[int] = None,
-                 include_stale: bool = False, ragged: str = "padded") -> dict:
+                 include_stale: bool = False, ragged: str = "padded",
+                 consume: bool = True) -> dict:
     """Take (read and delete) ``n`` items per value of ``column``: xtuner's ``take_batch``.
 
     Waits until every value has ``n`` eligible items (``timeout`` seconds; None: forever),
@@ -123,6 +124,9 @@ class RolloutMixin:
     lowest version first, ties by insertion; ``Uniform``: a random subset;
     ``Prioritized``: a weighted draw without replacement). Taken items are deleted
     (counted as ``deletes``); their payloads are handed over in the samples.
+    ``consume=False`` samples them instead (one call for every value still): reuse
+    counts go up, the ``samples`` and staleness counters move, and items reaching
+    ``max_times_sampled`` are freed (reuse <= N). Neither consults the rate limiter.
 
     Returns:
       ``{value: HostSample}`` with ``n`` valid rows each (numpy arrays; ``metadata`` and
@@ -153,7 +157,8 @@ class RolloutMixin:
       while True:
         self._check_open("take_batch")
         rng, sub = jax.random.split(self._rng)
-        self._state, out, group, available, meta, ok = ro.take(
+        program = ro.take if consume else ro.sample
+        self._state, out, group, available, meta, ok = program(
             self._state, sub, v, mask, cols, padded, want, column=column, batch_size=b,
             stale_ok=bool(include_stale))
         if bool(ok):

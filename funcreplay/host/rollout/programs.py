@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from funcreplay.core import caches, ops
+from funcreplay.core import caches, ops, sampling
 from funcreplay.core.ops import grouped
 from funcreplay.core.spec import TableSpec
 from funcreplay.host.programs import where_mask
@@ -46,6 +46,18 @@ class RolloutOps:
                    batch_size=batch_size, stale_ok=stale_ok, all_or_nothing=True)
       return (ops.delete(spec, state, res[0].info.slot, res[0].info.key), *res)
 
+    def sample(state, rng, version, where, cols, values, counts, *, column, batch_size,
+               stale_ok):
+      # A grouped take that counts as a sample instead of deleting: reuse counts go up,
+      # items reaching max_times_sampled are freed (evicted_reuse), staleness is counted.
+      out, group, available, meta, ok = select(
+          state, rng, version, where, cols, values, counts, column=column,
+          batch_size=batch_size, stale_ok=stale_ok, all_or_nothing=True)
+      slots = out.info.slot
+      state, smp = sampling.finish(spec, state, slots, (slots >= 0).astype(jnp.float32),
+                                   jnp.sum(available), version, False)
+      return state, smp, group, available, meta, ok
+
     def stale(state, version):
       """Everything a receipt reports about the items ``evict_stale`` would remove."""
       mask = ops.stale_mask(spec, state, version)
@@ -59,6 +71,8 @@ class RolloutOps:
     self.count_by = jax.jit(count_by, static_argnames=("column", "stale_ok"))
     self.take = jax.jit(take, static_argnames=("column", "batch_size", "stale_ok"),
                         donate_argnums=0)
+    self.sample = jax.jit(sample, static_argnames=("column", "batch_size", "stale_ok"),
+                          donate_argnums=0)
     self.peek = jax.jit(functools.partial(select, all_or_nothing=False),
                         static_argnames=("column", "batch_size", "stale_ok"))
     self.stale = jax.jit(stale)
