@@ -235,3 +235,37 @@ def test_take_without_consuming_counts_reuse_and_frees_at_the_cap():
   assert len(t) == 2 and s["evicted_reuse"] == 2 and s["samples"] == 4
   c = t.take_batch({"math": 1, "code": 1}, consume=False)
   assert c["math"].data["x"].tolist() == [2] and c["code"].data["x"].tolist() == [3]
+
+
+def test_spec_declarations():
+  plain = fr.TableSpec(4, ITEM, metadata=("task", "seed"))
+  assert plain == fr.TableSpec(4, ITEM, metadata=(fr.Column("task"), "seed"))
+  typed = fr.TableSpec(4, ITEM, metadata=(fr.Column("task", vocab=("a", "b")),))
+  assert typed != fr.TableSpec(4, ITEM, metadata=("task",))
+  assert typed.column("task").vocab == ("a", "b") and typed.replace(capacity=8).columns == (
+      typed.columns)
+  with pytest.raises(ValueError, match="built-in column"):
+    fr.TableSpec(4, ITEM, metadata=(fr.Column("key"),))
+  ragged = fr.TableSpec(4, {"t": fr.Ragged(8, jnp.int32), "x": ITEM["x"]})
+  assert ragged.signature.leaves[0].shape == () and ragged.ragged == ((0, fr.Ragged(8)),)
+  with pytest.raises(ValueError, match="fr.Ragged"):
+    fr.make_table(ragged)
+  with pytest.raises(ValueError, match="max_len"):
+    fr.Ragged(0)
+
+
+def test_take_bad_requests_leave_the_table_intact():
+  t = make()
+  put(t, range(3), [0, 0, 0], ["math"] * 3)
+  before = t.stats().to_dict()
+  with pytest.raises(ValueError, match="not in the vocab"):
+    t.take_batch({"physics": 1})
+  with pytest.raises(ValueError, match=r"counts\['math'\] must lie in"):
+    t.take_batch({"math": -1})
+  with pytest.raises(TypeError, match="non-empty dict"):
+    t.take_batch({})
+  with pytest.raises(ValueError, match="ragged must be one of"):
+    t.take_batch({"math": 1}, ragged="dense")
+  with pytest.raises(TimeoutError, match=r"math.: '3/4'"):
+    t.take_batch({"math": 4}, timeout=0)
+  assert t.stats().to_dict() == before and len(t) == 3
