@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 import jax
 import numpy as np
 
+from funcreplay.core import selectors as sel
 from funcreplay.host.rollout import columns as col_lib
 from funcreplay.host.rollout.batch import HostSample, check_format
 from funcreplay.host.rollout.programs import rollout_ops
@@ -152,11 +153,14 @@ class RolloutMixin:
                        f"{self.spec.capacity}.")
     b = max(1, bucket(max(total, 1), 2**30))
     ro = rollout_ops(self.spec)
+    ordered = sel.is_ordered(self.spec.sampler)
     deadline = None if timeout is None else time.monotonic() + timeout
     with self._cond:
       while True:
         self._check_open("take_batch")
-        rng, sub = jax.random.split(self._rng)
+        # Only the random samplers draw: a deterministic order needs no key (and a split
+        # is a dispatch of its own).
+        rng, sub = (self._rng, None) if ordered else jax.random.split(self._rng)
         program = ro.take if consume else ro.sample
         self._state, out, group, available, meta, ok = program(
             self._state, sub, v, mask, cols, padded, want, column=column, batch_size=b,
