@@ -227,3 +227,14 @@ def test_payload_argument_errors():
   with pytest.raises(ValueError, match="2 payloads for a batch of 1"):
     t.insert(batch([1]), payload=["x", "y"])
   assert len(t) == 0
+
+
+def test_ragged_values_follow_items_across_key_wrap():
+  """Item keys wrap modulo 2**32: the sidecars map an insert's rows by key - first key."""
+  t = fr.Table(SPEC, payloads=True)
+  t._state = t._state.replace(next_key=jnp.uint32(2**32 - 2))  # a table that inserted 2**32 - 2
+  t.insert(batch([1, 2, 3, 4], base=10), payload=["a", "b", "c", "d"])
+  p = t.peek(4)
+  assert p.info.key.tolist() == [2**32 - 2, 2**32 - 1, 0, 1]
+  assert p.data["tokens"].lengths.tolist() == [1, 2, 3, 4] and p.payload == ("a", "b", "c", "d")
+  assert p.data["tokens"].values[3, :4].tolist() == [10, 11, 12, 13]
