@@ -75,7 +75,8 @@ class Source:
 def spec(groups, g, max_len, sampler, max_times_sampled=0):
   sig = {"tokens": fr.Ragged(g * max_len, jnp.int32),
          "reward": jax.ShapeDtypeStruct((g,), jnp.float32)}
-  return fr.TableSpec(2 * groups, sig, sampler=sampler, remover=fr.Fifo(fill_holes=True),
+  # Room for one refill: a take frees what the next refill fills (no evictions).
+  return fr.TableSpec(groups + 64, sig, sampler=sampler, remover=fr.Fifo(fill_holes=True),
                       max_times_sampled=max_times_sampled,
                       metadata=(fr.Column("task", vocab=TASKS), fr.Column("status", vocab=STATUS)))
 
