@@ -269,3 +269,48 @@ def test_take_bad_requests_leave_the_table_intact():
   with pytest.raises(TimeoutError, match=r"math.: '3/4'"):
     t.take_batch({"math": 4}, timeout=0)
   assert t.stats().to_dict() == before and len(t) == 3
+
+
+SELECTORS = [fr.StalestFirst(), fr.FreshestFirst(), fr.Fifo(), fr.Lifo(), fr.MinHeap(),
+             fr.MaxHeap()]
+_SELECT = {}  # jitted select_by per selector (one compilation each)
+
+
+def _select_program(sampler):
+  from funcreplay.core.ops import grouped
+  if sampler not in _SELECT:
+    spec = fr.TableSpec(48, ITEM, sampler=sampler, metadata=("task",))
+    pure = fr.make_table(spec)
+    _SELECT[sampler] = (spec, pure.init(), jax.jit(pure.insert), jax.jit(
+        lambda state, counts: grouped.select_by(spec, state, "task",
+                                                jnp.arange(4, dtype=jnp.int32), counts,
+                                                batch_size=64)))
+  return _SELECT[sampler]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, len(SELECTORS) - 1), st.integers(1, 40), st.booleans(),
+       st.lists(st.integers(0, 12), min_size=4, max_size=4), st.integers(0, 2**16))
+def test_grouped_selection_matches_a_sort(which, n, wide, counts, seed):
+  """``select_by`` (top-k stages when the keys fit float32, a full sort otherwise: wide
+  version ranges force it) returns each group's first items in the sampler's order."""
+  from funcreplay.core import ordering
+  sampler = SELECTORS[which]
+  spec, empty, insert, select = _select_program(sampler)
+  rng = np.random.default_rng(seed)
+  span = 2**30 if wide else 4
+  x = np.zeros(40, np.int32)
+  x[:n] = np.arange(n)
+  state = insert(empty, {"x": jnp.asarray(x)}, mask=jnp.arange(40) < n,
+                  version=jnp.asarray(rng.integers(-span, span, 40), jnp.int32),
+                  priority=jnp.asarray(rng.integers(0, 3, 40), jnp.float32),
+                  metadata={"task": jnp.asarray(rng.integers(0, 4, 40), jnp.int32)})
+  got, grp, avail = select(state, jnp.asarray(counts, jnp.int32))
+  keys = [np.asarray(k).astype(np.int64) for k in ordering.order_keys(sampler, state)]
+  task, occ = np.asarray(state.metadata["task"]), np.asarray(state.occupied)
+  got, grp = np.asarray(got), np.asarray(grp)
+  for g in range(4):
+    members = sorted((s for s in range(48) if occ[s] and task[s] == g),
+                     key=lambda s: tuple(k[s] for k in keys))
+    assert int(avail[g]) == len(members)
+    assert [int(s) for s, q in zip(got, grp) if q == g and s >= 0] == members[:counts[g]]

@@ -64,6 +64,71 @@ def _order(spec: TableSpec, state: TableState, rng):
   return (jax.random.bits(rng, (c,), jnp.uint32),)
 
 
+FLOAT_EXACT = 2**24  # integers in [0, 2**24] are exact in float32
+
+
+def _float_scores(keys, eligible):
+  """``((primary, secondary) float32 [C], fits)``: scores with the order of ``keys``
+  (ascending keys -> descending scores) when they are exact in float32 (``fits``).
+
+  Integer keys count from their smallest eligible value (version, age, ... of the items
+  in a table usually span far less than 2**24); float keys (the random samplers') are
+  used as they are; a single key gets the slot as its tie-break."""
+  c = eligible.shape[0]
+  out, fits = [], jnp.bool_(True)
+  for key in keys:
+    if jnp.issubdtype(key.dtype, jnp.floating):
+      out.append(-key.astype(jnp.float32))
+      continue
+    u = key.astype(jnp.uint32)
+    if jnp.issubdtype(key.dtype, jnp.signedinteger):  # order-preserving into uint32
+      u = lax.bitcast_convert_type(key.astype(jnp.int32), jnp.uint32) ^ jnp.uint32(1 << 31)
+    rel = u - jnp.min(jnp.where(eligible, u, jnp.uint32(2**32 - 1)))
+    fits = fits & (jnp.max(jnp.where(eligible, rel, 0)) < FLOAT_EXACT)
+    out.append(-rel.astype(jnp.float32))
+  if len(out) == 1:
+    out.append(-jnp.arange(c, dtype=jnp.float32))
+    fits = fits & (c < FLOAT_EXACT)
+  return tuple(out), fits
+
+
+def _top_by_group(gid, scores, take, kk):
+  """Slots of the ``take[g]`` best items of each group, grouped and in order, without
+  sorting the table: two ``lax.top_k`` over ``[K, C]`` (fast on XLA:CPU for float32,
+  where a sort of C elements is not) and a sort of the ``2 K kk`` candidates.
+
+  Stage 1 takes every item whose primary score beats the ``take[g]``-th best (``p*``);
+  stage 2 fills the rest from the items tied at ``p*``, by the secondary score.
+  Returns ``(ordered slots, start)`` laid out like ``_sorted_by_group``'s."""
+  k = take.shape[0]
+  s1, s2 = scores
+  member = gid[None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
+  v1, i1 = lax.top_k(jnp.where(member, s1[None, :], -jnp.inf), kk)
+  pstar = jnp.take_along_axis(v1, jnp.maximum(take - 1, 0)[:, None], axis=1)
+  n_gt = jnp.sum(v1 > pstar, axis=1)
+  tied = member & (s1[None, :] == pstar)
+  _, i2 = lax.top_k(jnp.where(tied, s2[None, :], -jnp.inf), kk)
+  pos = jnp.arange(kk, dtype=jnp.int32)[None, :]
+  valid = jnp.concatenate([pos < n_gt[:, None], pos < (take - n_gt)[:, None]], axis=1)
+  slot = jnp.concatenate([i1, i2], axis=1).astype(jnp.int32)
+  grp = jnp.where(valid, jnp.arange(k, dtype=jnp.int32)[:, None], k).reshape(-1)
+  slot = slot.reshape(-1)
+  ordered = lax.sort((grp, -s1[slot], -s2[slot], slot), num_keys=3)[-1]
+  return ordered, jnp.cumsum(take) - take
+
+
+def _sorted_by_group(gid, keys, available, take, n):
+  """The same from a sort of all slots by (group, order) (O(C log C): keys not exact
+  in float32): the first ``take[g]`` of each group, in ``n`` positions."""
+  slots = jnp.arange(gid.shape[0], dtype=jnp.int32)
+  ordered = lax.sort((gid, *keys, slots), num_keys=1 + len(keys))[-1]
+  end = jnp.cumsum(take)
+  t = jnp.arange(n, dtype=jnp.int32)
+  g = jnp.minimum(jnp.searchsorted(end, t, side="right"), take.shape[0] - 1)
+  src = (jnp.cumsum(available) - available)[g] + t - (end[g] - take[g])
+  return _take_rows(ordered, jnp.clip(src, 0, slots.shape[0] - 1)), end - take
+
+
 def select_by(spec: TableSpec, state: TableState, column, values, counts, *, batch_size: int,
               rng=None, version=None, where=None):
   """The rows of a grouped take / peek: up to ``counts[g]`` eligible items per group.
@@ -81,20 +146,25 @@ def select_by(spec: TableSpec, state: TableState, column, values, counts, *, bat
   """
   c = state.occupied.shape[0]
   k = values.shape[0]
-  gid = jnp.where(eligible_mask(spec, state, version, where), group_ids(state, column, values), k)
+  eligible = eligible_mask(spec, state, version, where)
+  gid = jnp.where(eligible, group_ids(state, column, values), k)
   available = jnp.zeros((k + 1,), jnp.int32).at[gid].add(1)[:k]
   keys = _order(spec, state, rng)
-  slots = jnp.arange(c, dtype=jnp.int32)
-  ordered = lax.sort((gid, *keys, slots), num_keys=1 + len(keys))[-1]
-  start = jnp.cumsum(available) - available          # first sorted position of each group
   counts = jnp.asarray(counts, jnp.int32)
+  scores, fits = _float_scores(keys, eligible)
+  kk = min(batch_size, c)
+  take = jnp.minimum(counts, available)
+  ordered, start = lax.cond(
+      fits, lambda: _top_by_group(gid, scores, take, kk),
+      lambda: _sorted_by_group(gid, keys, available, take, 2 * k * kk))
   req_end = jnp.cumsum(counts)
   r = jnp.arange(batch_size, dtype=jnp.int32)
   group = jnp.searchsorted(req_end, r, side="right").astype(jnp.int32)  # K past the end
   g = jnp.minimum(group, k - 1)
   j = r - (req_end[g] - counts[g])
   ok = (group < k) & (j < available[g])
-  picked = jnp.where(ok, _take_rows(ordered, jnp.clip(start[g] + j, 0, c - 1)), -1)
+  n = ordered.shape[0]
+  picked = jnp.where(ok, _take_rows(ordered, jnp.clip(start[g] + j, 0, n - 1)), -1)
   return picked, group, available
 
 
