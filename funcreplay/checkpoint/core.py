@@ -44,8 +44,7 @@ class Restored:
     extra: the JSON ``extra`` given to ``save`` (None if none).
     path: the checkpoint directory actually read.
     num_shards: S for a sharded checkpoint, else None.
-    sidecar: ``{leaf name: array}`` of a host Table's ragged values / payloads
-      (``checkpoint.sidecar``), or None.
+    sidecar: ``{name: array}``: a host Table's ragged values / payloads, or None.
   """
 
   state: TableState
@@ -127,7 +126,7 @@ def save(path, state: TableState, spec: TableSpec, *, extra: Any = None,
       process crashes (``kill -9``), and as fast as the page cache.
     host: host-table extras ``{"version": int, "rng": uint32[2]}`` (set by
       ``save_table``).
-    sidecar: ``[(name, array)]`` of ``checkpoint.sidecar`` (set by ``save_table``).
+    sidecar: ``[(name, array)]`` (``checkpoint.sidecar``, set by ``save_table``).
 
   Returns:
     The absolute path written.

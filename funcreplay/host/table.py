@@ -162,7 +162,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
     # Sampling in place into a caller's buffer (sample_packed(out=...)): a
     # direct_lib.DirectSampler once checked (False: not possible here).
     self._direct = None
-    # Ragged values and payloads, following the state's occupancy (None: neither).
+    # Ragged values and payloads following the state's occupancy (None: neither).
     self._sidecars = Sidecars(spec, bool(payloads)) if spec.ragged or payloads else None
     if self._sidecars is not None:
       self._sidecars.reset(self._state, *(sidecar_values or (None, None)))
@@ -188,9 +188,8 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
         ``ValueError`` names the broken invariant. ``check=False`` trusts the
         caller: an inconsistent state then misbehaves silently (e.g. samples
         free slots).
-      payloads: keep payloads (``Table(payloads=True)``).
-      sidecar_values: ``(ragged values per Ragged leaf, payloads)`` of the occupied
-        slots in slot order (``Sidecars.reset``; checkpoints pass them).
+      payloads, sidecar_values: keep payloads; ``(ragged values, payloads)`` of the
+        occupied slots in slot order (``Sidecars.reset``; checkpoints pass them).
     """
     if not isinstance(spec, TableSpec):
       raise TypeError(f"Table.from_state expects a TableSpec, got {type(spec).__name__}.")
@@ -330,8 +329,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
           self._sidecars.release(pending)
 
   def _insert_locked(self, spec, b, args, n_real, timeout, deadline, pending) -> None:
-    """The admission loop of ``insert`` (lock held; ``pending``: the sidecars staged)."""
-    inserted = 0
+    inserted = 0  # the admission loop of insert (lock held; pending: staged sidecars)
     while True:
       self._check_open("insert", inserted=inserted)
       if pending is not None:  # rows [inserted, ...) get keys next_key, next_key + 1, ...
