@@ -17,12 +17,22 @@ import importlib
 
 from funcreplay.core import counters
 from funcreplay.core.caches import clear_caches
+from funcreplay.core.columns import Column, Ragged
 from funcreplay.core.functional import FunctionalTable
 from funcreplay.core.ops import Stats
 from funcreplay.core.packing import PackedField, PackedLayout, PackedSample
 from funcreplay.core.rate_limiters import MinSize, Queue, RateLimiter, SampleToInsertRatio, Stack
 from funcreplay.core.sampling import importance_weights
-from funcreplay.core.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized, Uniform
+from funcreplay.core.selectors import (
+  Fifo,
+  FreshestFirst,
+  Lifo,
+  MaxHeap,
+  MinHeap,
+  Prioritized,
+  StalestFirst,
+  Uniform,
+)
 from funcreplay.core.signature import Signature, check_items
 from funcreplay.core.spec import TableSpec, queue, stack
 from funcreplay.core.state import Sample, SampleInfo, TableState, state_counters
@@ -50,6 +60,10 @@ _LAZY = {
     "PeriodicCheckpointer": ("funcreplay.checkpoint", "PeriodicCheckpointer"),
     "save": ("funcreplay.checkpoint", "save"),
     "restore": ("funcreplay.checkpoint", "restore"),
+    "HostSample": ("funcreplay.host.rollout.batch", "HostSample"),
+    "RaggedBatch": ("funcreplay.host.rollout.batch", "RaggedBatch"),
+    "Receipt": ("funcreplay.host.rollout.mixin", "Receipt"),
+    "GroupWriter": ("funcreplay.host.rollout.group_writer", "GroupWriter"),
 }
 
 
@@ -84,4 +98,6 @@ __all__ = [
     "IngestorClosedError", "IngestorError", "IngestorFullError", "IngestorStats",
     "SequenceWriter", "WriterStats", "sequence_signature", "native", "PackedSample",
     "PackedLayout", "PackedField", "clear_caches",
+    "Column", "Ragged", "StalestFirst", "FreshestFirst", "HostSample", "RaggedBatch", "Receipt",
+    "GroupWriter",
 ]

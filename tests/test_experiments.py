@@ -239,3 +239,17 @@ def test_bench_hugepages_smoke(tmp_path):
       "prioritized sample+update b256", "prioritized sample+update b1024"]
   assert all(r["small_pages_us"] > 0 and r["huge_pages_us"] > 0 for r in rows)
   assert "table B still on huge pages: True" in proc.stdout
+
+
+# --- async_grpo (issue 28) ---------------------------------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_async_grpo_tiny(tmp_path):
+  from configs import async_grpo as grpo_cfg
+  from experiments import async_grpo
+  c = grpo_cfg.get_config("tiny")
+  s = async_grpo.run(c, str(tmp_path), verbose=False)
+  m = common.read_metrics(str(tmp_path))
+  assert len(m) == c.learner_steps and all(_finite_numbers(r) for r in m)
+  assert s["staleness_max"] <= c.max_staleness and s["reuse_max"] <= c.max_times_sampled
+  assert s["groups"]["complete"] > 0 and s["ragged_bytes_per_token"] < s["padded_bytes_per_token"]

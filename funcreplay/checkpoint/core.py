@@ -22,6 +22,7 @@ import numpy as np
 from funcreplay import distributed as shd
 from funcreplay.checkpoint import fields, layout, migrate, record, rows, spec_codec, swap
 from funcreplay.checkpoint import format as fmt
+from funcreplay.checkpoint import sidecar as sidecar_lib
 from funcreplay.checkpoint.errors import CheckpointError
 from funcreplay.core import caches, ledger, staleness
 from funcreplay.core import state as state_lib
@@ -43,6 +44,7 @@ class Restored:
     extra: the JSON ``extra`` given to ``save`` (None if none).
     path: the checkpoint directory actually read.
     num_shards: S for a sharded checkpoint, else None.
+    sidecar: ``{name: array}``: a host Table's ragged values / payloads, or None.
   """
 
   state: TableState
@@ -51,6 +53,7 @@ class Restored:
   extra: Any
   path: str
   num_shards: Optional[int]
+  sidecar: Optional[Dict[str, Any]] = None
 
   def __iter__(self):
     return iter((self.state, self.spec))
@@ -107,7 +110,7 @@ def _check_state(state: TableState, spec: TableSpec, num_shards: Optional[int]) 
 
 def save(path, state: TableState, spec: TableSpec, *, extra: Any = None,
          overwrite: bool = False, fsync: bool = True,
-         host: Optional[Dict[str, Any]] = None) -> str:
+         host: Optional[Dict[str, Any]] = None, sidecar=()) -> str:
   """Write ``state`` (and ``spec``) as a checkpoint directory at ``path``, atomically.
 
   Args:
@@ -123,6 +126,7 @@ def save(path, state: TableState, spec: TableSpec, *, extra: Any = None,
       process crashes (``kill -9``), and as fast as the page cache.
     host: host-table extras ``{"version": int, "rng": uint32[2]}`` (set by
       ``save_table``).
+    sidecar: ``[(name, array)]`` (``checkpoint.sidecar``, set by ``save_table``).
 
   Returns:
     The absolute path written.
@@ -153,6 +157,7 @@ def save(path, state: TableState, spec: TableSpec, *, extra: Any = None,
     return os.path.abspath(os.fspath(path))
   leaves, _ = jax.tree_util.tree_flatten_with_path(record.to_record(host_np))
   arrays, rows_entry = rows.pack([(_leaf_name(p), np.asarray(x)) for p, x in leaves])
+  arrays = list(arrays) + list(sidecar)
   header = {
       "funcreplay_version": VERSION,
       "created_unix": time.time(),
@@ -320,7 +325,7 @@ def restore(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bo
 def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verify) -> Restored:
   """One read of ``restore`` (same arguments)."""
   path = resolve(path)
-  manifest = fmt.read_manifest(path)
+  manifest, side = sidecar_lib.split(fmt.read_manifest(path))
   mpath = os.path.join(path, fmt.MANIFEST)
   try:
     saved = manifest["spec"]
@@ -368,7 +373,7 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
   else:
     state = jax.device_put(state)
   return Restored(state=state, spec=spec, host=host, extra=extra, path=path,
-                  num_shards=num_shards)
+                  num_shards=num_shards, sidecar=sidecar_lib.read(path, manifest, side, verify))
 
 
 @dataclasses.dataclass(frozen=True)

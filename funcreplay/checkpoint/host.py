@@ -15,6 +15,7 @@ import os
 from typing import Any, Optional
 
 from funcreplay.checkpoint import core, layout
+from funcreplay.checkpoint import sidecar as sidecar_lib
 from funcreplay.checkpoint.errors import CheckpointError
 from funcreplay.core.spec import TableSpec
 from funcreplay.host import consistency
@@ -28,7 +29,8 @@ def snapshot_table(table):
 
 
 def save_table(table, path, *, step: Optional[int] = None, keep_last: Optional[int] = None,
-               extra: Any = None, overwrite: bool = False, fsync: bool = True) -> str:
+               extra: Any = None, overwrite: bool = False, fsync: bool = True,
+               payloads: str = "refuse") -> str:
   """Save a host ``Table`` (state, spec, PRNG key, version); returns the checkpoint path.
 
   Args:
@@ -43,25 +45,31 @@ def save_table(table, path, *, step: Optional[int] = None, keep_last: Optional[i
     overwrite: replace an existing checkpoint of the same path / step.
     fsync: durable against power loss (default); False: against process
       crashes only, faster (see ``funcreplay.checkpoint.format``).
+    payloads: for a table holding payloads: ``"refuse"`` (default: a ValueError, no
+      pickle unless asked), ``"pickle"`` (stored pickled; restore needs
+      ``allow_pickle=True``) or ``"drop"`` (saved without them). Ragged values are
+      always saved (plain arrays).
 
   The table keeps serving while the files are written: the lock is held only
   for the device-to-device snapshot.
   """
   state, host = snapshot_table(table)
+  side = sidecar_lib.to_arrays(host.pop("sidecars", None), payloads)
   if step is None and keep_last is None:
     return core.save(path, state, table.spec, extra=extra, overwrite=overwrite, fsync=fsync,
-                     host=host)
+                     host=host, sidecar=side)
   os.makedirs(os.fspath(path), exist_ok=True)
   target = layout.step_path(path, layout.next_step(path) if step is None else step)
   out = core.save(target, state, table.spec, extra=extra, overwrite=overwrite, fsync=fsync,
-                  host=host)
+                  host=host, sidecar=side)
   if keep_last is not None:
     layout.prune(path, keep_last)
   return out
 
 
 def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_growth: bool = False,
-                  seed: int = 0, verify: bool = True, check: bool = True):
+                  seed: int = 0, verify: bool = True, check: bool = True,
+                  allow_pickle: bool = False, payloads: Optional[bool] = None):
   """A new ``Table`` from a checkpoint (or from the newest one in a directory of them).
 
   Args:
@@ -74,6 +82,9 @@ def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_grow
       key.
     verify: check CRC-32 checksums (see ``funcreplay.checkpoint.restore``).
     check: check the restored state's consistency (``Table.from_state``).
+    allow_pickle: unpickle saved payloads (``save(payloads="pickle")``); without it a
+      checkpoint holding payloads is refused (unpickling runs code from the file).
+    payloads: whether the table keeps payloads (None: iff the checkpoint holds some).
 
   Returns:
     ``funcreplay.Table`` with the saved state, PRNG key and policy version.
@@ -83,13 +94,16 @@ def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_grow
   if r.num_shards is not None:
     raise CheckpointError(f"{r.path}: a sharded checkpoint ({r.num_shards} shards) cannot become "
                           "a host Table; use funcreplay.checkpoint.restore(path, mesh=...).")
+  keep, side = sidecar_lib.values(r.sidecar, r.spec, r.path, allow_pickle, payloads)
   if r.host is None:
-    return Table.from_state(r.spec, r.state, seed=seed, check=check)
+    return Table.from_state(r.spec, r.state, seed=seed, check=check, payloads=keep,
+                            sidecar_values=side)
   return Table.from_state(r.spec, r.state, version=r.host["version"], rng=r.host["rng"],
-                          check=check)
+                          check=check, payloads=keep, sidecar_values=side)
 
 
-def read_into(table, path, *, verify: bool = True, check: bool = True):
+def read_into(table, path, *, verify: bool = True, check: bool = True,
+              allow_pickle: bool = False):
   """``(state, version, rng)`` of a checkpoint, checked against ``table.spec``, for ``Table.load``.
 
   Args:
@@ -114,9 +128,10 @@ def read_into(table, path, *, verify: bool = True, check: bool = True):
                           "loaded into a host Table.")
   if check:
     consistency.check_state(table.spec, r.state)
+  _, side = sidecar_lib.values(r.sidecar, r.spec, r.path, allow_pickle, table.keeps_payloads)
   if r.host is None:
-    return r.state, None, None
-  return r.state, r.host["version"], r.host["rng"]
+    return r.state, None, None, side
+  return r.state, r.host["version"], r.host["rng"], side
 
 
 # Table.save / Table.restore / Table.load call these (the host layer never imports this one).

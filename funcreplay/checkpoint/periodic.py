@@ -31,6 +31,8 @@ class PeriodicCheckpointer:
     keep_last: checkpoints to keep (>= 1).
     fsync: passed to ``save_table`` (False: safe against process crashes
       only, not power loss).
+    payloads: passed to ``save_table`` (a table holding payloads: ``"pickle"`` or
+      ``"drop"``; the default refuses, and the thread stops with that error).
 
   An error in the thread (disk full, ...) stops it; ``close()``, ``save_now()``
   and ``check()`` re-raise it. A closed table ends the thread quietly.
@@ -44,7 +46,8 @@ class PeriodicCheckpointer:
   """
 
   def __init__(self, table, directory, *, every_s: Optional[float] = None,
-               every_inserts: Optional[int] = None, keep_last: int = 3, fsync: bool = True):
+               every_inserts: Optional[int] = None, keep_last: int = 3, fsync: bool = True,
+               payloads: str = "refuse"):
     if every_s is None and every_inserts is None:
       raise ValueError("PeriodicCheckpointer: pass every_s= and/or every_inserts=.")
     if every_s is not None and (isinstance(every_s, bool) or not isinstance(every_s, (int, float))
@@ -57,6 +60,7 @@ class PeriodicCheckpointer:
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
       raise ValueError(f"PeriodicCheckpointer: keep_last must be an int >= 1, got {keep_last!r}.")
     self._table = table
+    self._payloads = payloads
     self._dir = os.fspath(directory)
     os.makedirs(self._dir, exist_ok=True)
     self._every_s = every_s
@@ -87,7 +91,8 @@ class PeriodicCheckpointer:
     with self._lock:
       inserts = self._inserts()
       path = host_lib.save_table(self._table, self._dir, step=self._step,
-                                 keep_last=self._keep_last, fsync=self._fsync)
+                                 keep_last=self._keep_last, fsync=self._fsync,
+                                 payloads=self._payloads)
       self._step += 1
       self._last_time = time.monotonic()
       self._last_inserts = inserts

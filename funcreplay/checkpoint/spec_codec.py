@@ -19,11 +19,13 @@ import fractions
 import math
 from typing import Any, Dict, List
 
+import jax
 import numpy as np
 
 from funcreplay.checkpoint.errors import CheckpointError
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
+from funcreplay.core.columns import Column, Ragged
 from funcreplay.core.signature import Signature
 from funcreplay.core.spec import TableSpec
 
@@ -97,8 +99,9 @@ def signature_from_json(obj) -> Signature:
 
 
 def spec_to_json(spec: TableSpec) -> Dict[str, Any]:
-  """JSON-able dict describing every field of ``spec``."""
-  return {
+  """JSON-able dict describing every field of ``spec`` (``columns`` / ``ragged`` only when
+  a column is typed or a leaf ragged: older manifests stay what they were)."""
+  out = {
       "capacity": spec.capacity,
       "signature": signature_to_json(spec.signature),
       "sampler": selector_to_json(spec.sampler),
@@ -109,20 +112,33 @@ def spec_to_json(spec: TableSpec) -> Dict[str, Any]:
       "metadata": list(spec.metadata),
       "default_priority": spec.default_priority,
   }
+  if not all(c.plain for c in spec.columns):
+    out["columns"] = [c.to_json() for c in spec.columns]
+  if spec.ragged:
+    out["ragged"] = [{"leaf": i, **r.to_json()} for i, r in spec.ragged]
+  return out
 
 
 def spec_from_json(obj) -> TableSpec:
   """Inverse of ``spec_to_json`` (raises ``CheckpointError`` on an opaque signature)."""
   try:
+    signature = signature_from_json(obj["signature"])
+    if obj.get("ragged"):  # put the Ragged leaves back in place of their lengths
+      leaves = list(signature.leaves)
+      for r in obj["ragged"]:
+        leaves[r["leaf"]] = Ragged.from_json(r)
+      signature = jax.tree_util.tree_unflatten(signature.treedef, leaves)
+    metadata = (tuple(Column.from_json(c) for c in obj["columns"]) if obj.get("columns")
+                else tuple(obj["metadata"]))
     return TableSpec(
         capacity=obj["capacity"],
-        signature=signature_from_json(obj["signature"]),
+        signature=signature,
         sampler=selector_from_json(obj["sampler"]),
         remover=selector_from_json(obj["remover"]),
         max_times_sampled=obj["max_times_sampled"],
         max_staleness=obj["max_staleness"],
         rate_limiter=limiter_from_json(obj["rate_limiter"]),
-        metadata=tuple(obj["metadata"]),
+        metadata=metadata,
         default_priority=obj["default_priority"],
     )
   except CheckpointError:
@@ -166,7 +182,7 @@ def spec_diffs(saved: Dict[str, Any], want: TableSpec, *, allow_capacity_growth:
   out += _signature_diffs(saved["signature"], want.signature)
   mine = spec_to_json(want)
   for field in ("sampler", "remover", "max_times_sampled", "max_staleness", "rate_limiter",
-                "metadata", "default_priority"):
-    if saved[field] != mine[field]:
-      out.append(f"{field}: checkpoint {saved[field]}, spec {mine[field]}")
+                "metadata", "default_priority", "columns", "ragged"):
+    if saved.get(field) != mine.get(field):
+      out.append(f"{field}: checkpoint {saved.get(field)}, spec {mine.get(field)}")
   return out

@@ -61,6 +61,11 @@ def make_table(spec: TableSpec, *,
   """
   if not isinstance(spec, TableSpec):
     raise TypeError(f"make_table expects a TableSpec, got {type(spec).__name__}.")
+  if spec.ragged:
+    names = [spec.signature.names[i] for i, _ in spec.ragged]
+    raise ValueError(f"make_table: leaves {names} are fr.Ragged; their values live in the host "
+                     "fr.Table's arenas (BUILD.md 'Ragged leaves live on the host'). In jit, "
+                     "declare them as padded arrays plus a length leaf.")
   p = functools.partial
   native = executor_lib.check(executor, "make_table")
 

@@ -1,4 +1,5 @@
-"""Orders used by the deterministic selectors (Fifo, Lifo, MinHeap, MaxHeap).
+"""Orders used by the deterministic selectors (Fifo, Lifo, MinHeap, MaxHeap, StalestFirst,
+FreshestFirst).
 
 Keys are uint32 insertion indices that wrap modulo 2**32, so "older" is
 decided by *age* ``next_key - key`` (mod 2**32), which orders every pair of
@@ -55,6 +56,26 @@ def better_fn(selector, state):
   raise TypeError(f"no order for selector {selector!r}")
 
 
+def order_keys(selector, state):
+  """Sort keys (a tuple of ``[C]`` arrays, ascending, most significant first) that put
+  the slots in ``selector``'s order (deterministic selectors)."""
+  slots = jnp.arange(state.occupied.shape[0], dtype=jnp.int32)
+  a = age(state, slots)
+  if isinstance(selector, sel.Fifo):
+    return (~a,)          # oldest (largest age) first
+  if isinstance(selector, sel.Lifo):
+    return (a,)           # newest first
+  if isinstance(selector, sel.MinHeap):
+    return (priority_bits(state.priority), ~touch_age(state, slots))
+  if isinstance(selector, sel.MaxHeap):
+    return (-priority_bits(state.priority), ~touch_age(state, slots))
+  if isinstance(selector, sel.StalestFirst):
+    return (state.version, ~a)
+  if isinstance(selector, sel.FreshestFirst):
+    return (~state.version, ~a)  # ~v = -v - 1: decreasing in v, no overflow
+  raise TypeError(f"{selector!r} is not a deterministic selector")
+
+
 def sorted_eligible(selector, state, eligible):
   """All slots sorted by ``selector``'s order, eligible ones first.
 
@@ -66,17 +87,7 @@ def sorted_eligible(selector, state, eligible):
   """
   c = eligible.shape[0]
   slots = jnp.arange(c, dtype=jnp.int32)
-  a = age(state, slots)
   inel = (~eligible).astype(jnp.int32)
-  if isinstance(selector, sel.Fifo):
-    keys = (inel, ~a)          # oldest (largest age) first
-  elif isinstance(selector, sel.Lifo):
-    keys = (inel, a)           # newest first
-  elif isinstance(selector, sel.MinHeap):
-    keys = (inel, priority_bits(state.priority), ~touch_age(state, slots))
-  elif isinstance(selector, sel.MaxHeap):
-    keys = (inel, -priority_bits(state.priority), ~touch_age(state, slots))
-  else:
-    raise TypeError(f"{selector!r} is not a deterministic selector")
+  keys = (inel, *order_keys(selector, state))
   out = lax.sort((*keys, slots), num_keys=len(keys))
   return out[-1], out[0] == 0

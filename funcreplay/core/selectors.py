@@ -14,6 +14,8 @@ Fifo           oldest eligible items first                 ring: oldest-written 
 Lifo           newest eligible items first                 the newest item
 MinHeap        lowest priority first (ties: oldest first)  lowest priority
 MaxHeap        highest priority first (ties: oldest first) highest priority
+StalestFirst   lowest item version first (ties: oldest)    (not supported)
+FreshestFirst  highest item version first (ties: oldest)   (not supported)
 =============  ==========================================  =======================
 
 A remover runs when a full table receives an item, and (as in Reverb) the
@@ -93,10 +95,25 @@ class MaxHeap:
   """Highest priority first; ties broken by insertion order (oldest first)."""
 
 
-Selector = Union[Uniform, Prioritized, Fifo, Lifo, MinHeap, MaxHeap]
-SAMPLERS = (Uniform, Prioritized, Fifo, Lifo, MinHeap, MaxHeap)
+@dataclasses.dataclass(frozen=True)
+class StalestFirst:
+  """Lowest item version (the stalest item) first; ties by insertion order, oldest first.
+
+  xtuner's ``StalenessReplayPolicy`` (``sort by (-staleness, timestamp)``): use items
+  before they expire. A sampler only (O(C log C) per sample, like the other
+  deterministic samplers); ``Table.take_batch`` / ``peek`` follow it too.
+  """
+
+
+@dataclasses.dataclass(frozen=True)
+class FreshestFirst:
+  """Highest item version (the freshest item) first; ties by insertion order, oldest first."""
+
+
+Selector = Union[Uniform, Prioritized, Fifo, Lifo, MinHeap, MaxHeap, StalestFirst, FreshestFirst]
+SAMPLERS = (Uniform, Prioritized, Fifo, Lifo, MinHeap, MaxHeap, StalestFirst, FreshestFirst)
 REMOVERS = (Uniform, Fifo, Lifo, MinHeap, MaxHeap)
-ORDERED = (Fifo, Lifo, MinHeap, MaxHeap)
+ORDERED = (Fifo, Lifo, MinHeap, MaxHeap, StalestFirst, FreshestFirst)
 
 
 def is_ring(remover) -> bool:

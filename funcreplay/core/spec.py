@@ -11,8 +11,11 @@ import dataclasses
 import math
 from typing import Any, Optional, Tuple
 
+import jax
+
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
+from funcreplay.core.columns import LENGTH_DTYPE, Column, Ragged
 from funcreplay.core.signature import Signature, as_signature
 
 _RESERVED_COLUMNS = ("key", "version", "times_sampled", "priority", "occupied", "slot")
@@ -34,7 +37,13 @@ class TableSpec:
     rate_limiter: a ``funcreplay.core.rate_limiters.RateLimiter`` (default
       ``MinSize(1)``); pure predicates ``can_insert``/``can_sample`` use it and
       the host ``Table`` blocks on it.
-    metadata: names of user int32 columns per slot (e.g. ``("task", "status")``).
+    metadata: names of user int32 columns per slot (e.g. ``("task", "status")``); a
+      ``Column`` instead of a name declares a vocabulary or a float32 column
+      (``funcreplay.core.columns``). ``metadata`` holds the names, ``columns`` the
+      ``Column`` of every name (plain names: ``Column(name)``).
+    ragged: ``(leaf index, Ragged)`` for every ``Ragged`` leaf of the signature given
+      (in ``signature``, such a leaf is its int32 length; the host ``Table`` keeps the
+      values). Empty without ragged leaves.
     default_priority: priority of items inserted without one; None means the
       largest priority seen so far (1.0 on a fresh table), as in PER.
   """
@@ -48,6 +57,8 @@ class TableSpec:
   rate_limiter: rl.RateLimiter
   metadata: Tuple[str, ...]
   default_priority: Optional[float]
+  columns: Tuple[Column, ...]
+  ragged: Tuple[Tuple[int, Ragged], ...]
 
   def __init__(self, capacity: int, signature: Any, sampler: Any = None, remover: Any = None,
                max_times_sampled: int = 0, max_staleness: Optional[int] = None,
@@ -77,9 +88,10 @@ class TableSpec:
     if not isinstance(rate_limiter, rl.RateLimiter):
       raise TypeError(f"TableSpec.rate_limiter must be a RateLimiter (e.g. fr.MinSize(1)), "
                       f"got {rate_limiter!r}.")
-    if isinstance(metadata, str):
+    if isinstance(metadata, (str, Column)):
       metadata = (metadata,)
-    metadata = tuple(metadata)
+    given = tuple(metadata)
+    metadata = tuple(c.name if isinstance(c, Column) else c for c in given)
     for name in metadata:
       if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"TableSpec.metadata: column names must be identifiers, got {name!r}.")
@@ -87,22 +99,42 @@ class TableSpec:
         raise ValueError(f"TableSpec.metadata: {name!r} is a built-in column; pick another name.")
     if len(set(metadata)) != len(metadata):
       raise ValueError(f"TableSpec.metadata has duplicate column names: {metadata}.")
+    columns = tuple(c if isinstance(c, Column) else Column(c) for c in given)
     if default_priority is not None and (not math.isfinite(default_priority)
                                          or default_priority < 0):
       raise ValueError(f"TableSpec.default_priority must be None or finite >= 0, "
                        f"got {default_priority!r}.")
+    signature, ragged = _split_ragged(signature)
     sig = as_signature(signature)
     for k, v in dict(capacity=capacity, signature=sig, sampler=sampler, remover=remover,
                      max_times_sampled=max_times_sampled, max_staleness=max_staleness,
                      rate_limiter=rate_limiter, metadata=metadata,
                      default_priority=None if default_priority is None else float(default_priority),
-                     ).items():
+                     columns=columns, ragged=ragged).items():
       object.__setattr__(self, k, v)
 
   def replace(self, **changes) -> "TableSpec":
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    fields.update(signature=self.item_tree if self.ragged else self.signature,
+                  metadata=self.columns)
+    del fields["columns"], fields["ragged"]
     fields.update(changes)
     return TableSpec(**fields)
+
+  def column(self, name: str) -> Column:
+    """The ``Column`` declared as ``name`` (ValueError naming the declared ones)."""
+    i = self.metadata.index(name) if name in self.metadata else -1
+    if i >= 0:
+      return self.columns[i]
+    raise ValueError(f"unknown metadata column {name!r}; the spec declares {list(self.metadata)}.")
+
+  @property
+  def item_tree(self):
+    """The signature as given: ``signature.tree`` with the ``Ragged`` leaves put back."""
+    leaves = list(self.signature.leaves)
+    for i, r in self.ragged:
+      leaves[i] = r
+    return jax.tree_util.tree_unflatten(self.signature.treedef, leaves)
 
   @property
   def tree_size(self) -> int:
@@ -125,6 +157,20 @@ class TableSpec:
   @property
   def prioritized(self) -> bool:
     return isinstance(self.sampler, sel.Prioritized)
+
+
+def _split_ragged(signature):
+  """``(signature with every Ragged leaf replaced by its int32 length, ((index, Ragged), ...))``."""
+  if isinstance(signature, Signature):
+    return signature, ()
+  leaves, treedef = jax.tree_util.tree_flatten(signature,
+                                               is_leaf=lambda x: isinstance(x, Ragged))
+  ragged = tuple((i, x) for i, x in enumerate(leaves) if isinstance(x, Ragged))
+  if not ragged:
+    return signature, ()
+  dense = [jax.ShapeDtypeStruct((), LENGTH_DTYPE) if isinstance(x, Ragged) else x
+           for x in leaves]
+  return jax.tree_util.tree_unflatten(treedef, dense), ragged
 
 
 def queue(capacity: int, signature: Any, **kwargs) -> TableSpec:

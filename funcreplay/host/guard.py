@@ -42,6 +42,7 @@ class TableGuard:
         return
       self._closed = True
       self._state = None  # free the buffers; nothing may touch them any more
+      self._sidecars = None  # and the ragged values and payloads
       if self._direct:
         self._direct.unbind()
       self._cond.notify_all()
@@ -70,6 +71,8 @@ class TableGuard:
     with self._cond:
       self._check_open(what)
       self._state = fn(self._state, *args)
+      if self._sidecars is not None:  # items may have left: drop their values / payloads
+        self._sidecars.sync(self._state)
       self._cond.notify_all()
 
   def _device_int(self, name: str, value: int) -> jax.Array:

@@ -27,7 +27,7 @@ def _copy_tree(tree):
   return jax.tree_util.tree_map(jnp.copy, tree)
 
 
-def _where_mask(state: TableState, where, where_cols):
+def where_mask(state: TableState, where, where_cols):
   """bool[C] from a slot mask and {column: (int32[K] allowed values, active bool[])}.
 
   ``where`` is None when the caller gave no ``where`` at all; otherwise every
@@ -74,7 +74,7 @@ class Ops:
 
     def sample(state, rng, version, where, where_cols, min_valid, *, batch_size, replace,
                packed):
-      mask = _where_mask(state, where, where_cols)
+      mask = where_mask(state, where, where_cols)
       # Single reads of the tree root: XLA re-fuses a cheap read into every
       # use, and a use not ordered before the in-place sample costs a tree copy.
       cnt, size = inplace.once((ops.count(spec, state, mask, version), state.size))
@@ -92,7 +92,7 @@ class Ops:
       return state, rng, out, flags
 
     def count(state, version, where, where_cols):
-      return ops.count(spec, state, _where_mask(state, where, where_cols), version)
+      return ops.count(spec, state, where_mask(state, where, where_cols), version)
 
     def evict_stale(state, version):
       before = state.size

@@ -46,6 +46,10 @@ from funcreplay.host import consistency
 from funcreplay.host.guard import TableClosedError, TableGuard
 from funcreplay.host.ingest import Ingestor
 from funcreplay.host.programs import ops_for as _ops_for
+from funcreplay.host.rollout import columns as col_lib
+from funcreplay.host.rollout import inserts as rollout_inserts
+from funcreplay.host.rollout.mixin import RolloutMixin
+from funcreplay.host.rollout.sidecar import KEY_SPACE, Sidecars
 from funcreplay.host.table_sampling import SamplingMixin
 from funcreplay.host.table_updates import UpdatesMixin
 from funcreplay.host.validation import as_array as _as_array
@@ -96,7 +100,7 @@ def checkpoint_io(what: str) -> Callable[..., Any]:
   return fn
 
 
-class Table(TableGuard, SamplingMixin, UpdatesMixin):
+class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
   """A thread-safe, rate-limited replay table on the host (Reverb-like, in process).
 
   Owns one ``TableState`` (C = ``spec.capacity`` slots). ``insert`` and
@@ -121,6 +125,9 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
   writes without holding it, so inserters and samplers continue meanwhile.
   ``load(path)`` restores a checkpoint into this table (same spec).
 
+  Ragged leaves, payloads (``payloads=True``), ``take_batch`` / ``is_ready`` / ``peek``:
+  ``funcreplay.host.rollout`` (README "Rollout groups for LLM RL").
+
   Example::
 
     table = Table(fr.TableSpec(100_000, example_item, rate_limiter=fr.MinSize(1000)))
@@ -129,12 +136,14 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
     table.update_priorities(smp.info.slot, smp.info.key, new_priorities)
   """
 
-  def __init__(self, spec: TableSpec, *, seed: int = 0, version: int = 0):
+  def __init__(self, spec: TableSpec, *, seed: int = 0, version: int = 0,
+               payloads: bool = False):
     if not isinstance(spec, TableSpec):
       raise TypeError(f"Table expects a TableSpec, got {type(spec).__name__}.")
-    self._init(spec, None, jax.random.PRNGKey(_check_int(seed, "seed", 0, 2**32 - 1)), version)
+    self._init(spec, None, jax.random.PRNGKey(_check_int(seed, "seed", 0, 2**32 - 1)), version,
+               payloads)
 
-  def _init(self, spec, state, rng, version):
+  def _init(self, spec, state, rng, version, payloads=False, sidecar_values=None):
     self.spec = spec
     self._ops = _ops_for(spec)
     self._state = self._ops.init() if state is None else state
@@ -153,11 +162,16 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
     # Sampling in place into a caller's buffer (sample_packed(out=...)): a
     # direct_lib.DirectSampler once checked (False: not possible here).
     self._direct = None
+    # Ragged values and payloads following the state's occupancy (None: neither).
+    self._sidecars = Sidecars(spec, bool(payloads)) if spec.ragged or payloads else None
+    if self._sidecars is not None:
+      self._sidecars.reset(self._state, *(sidecar_values or (None, None)))
 
   # -- construction from a state (restore) ----------------------------------------
   @classmethod
   def from_state(cls, spec: TableSpec, state: TableState, *, seed: int = 0, version: int = 0,
-                 rng=None, check: bool = True) -> "Table":
+                 rng=None, check: bool = True, payloads: bool = False,
+                 sidecar_values=None) -> "Table":
     """A ``Table`` owning a *copy* of ``state`` (used by checkpoint restore).
 
     Args:
@@ -174,6 +188,8 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
         ``ValueError`` names the broken invariant. ``check=False`` trusts the
         caller: an inconsistent state then misbehaves silently (e.g. samples
         free slots).
+      payloads, sidecar_values: keep payloads; ``(ragged values, payloads)`` of the
+        occupied slots in slot order (``Sidecars.reset``; checkpoints pass them).
     """
     if not isinstance(spec, TableSpec):
       raise TypeError(f"Table.from_state expects a TableSpec, got {type(spec).__name__}.")
@@ -202,7 +218,8 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
       rng = jnp.asarray(r)
     ops_ = _ops_for(spec)
     table = cls.__new__(cls)
-    table._init(spec, ops_.copy(jax.tree_util.tree_map(jnp.asarray, state)), rng, version)
+    table._init(spec, ops_.copy(jax.tree_util.tree_map(jnp.asarray, state)), rng, version,
+                payloads, sidecar_values)
     return table
 
   # -- properties -------------------------------------------------------------
@@ -237,7 +254,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
   # -- insert -------------------------------------------------------------------
   def insert(self, items: Any, *, version: Optional[Union[int, Any]] = None, priority=None,
              metadata: Optional[Mapping[str, Any]] = None,
-             timeout: Optional[float] = None) -> None:
+             timeout: Optional[float] = None, payload=None) -> None:
     """Insert a batch of ``B`` items (``1 <= B <= capacity``).
 
     Args:
@@ -249,9 +266,10 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
         ``set_version`` may lag the actors' policy.
       priority: float or float[B], finite and >= 0 (default: the spec's
         default priority, or the largest seen so far).
-      metadata: dict ``column -> int or int[B]`` over ``spec.metadata``
-        (missing columns get 0).
+      metadata: dict ``column -> value or [B] values`` over ``spec.metadata``
+        (missing columns get 0: the vocab's first string, 0.0 for a float column).
       timeout: seconds to wait while the rate limiter forbids inserting.
+      payload: a sequence of ``B`` Python objects (``Table(payloads=True)``).
 
     Items are admitted one at a time, as in Reverb: when the limiter allows
     only part of the batch, that part is inserted and the call waits for the
@@ -265,6 +283,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
     self._check_open("insert")
     timeout = _check_timeout(timeout)
     spec = self.spec
+    items, ragged_rows = rollout_inserts.split_ragged(spec, items, "Table.insert")
     leaves, b = check_items(spec.signature, items, batched=True, what="Table.insert")
     if b == 0:
       raise ValueError("Table.insert: empty batch (B = 0); pass at least one item.")
@@ -279,8 +298,11 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
                 bk)
     metadata = check_metadata_columns({} if metadata is None else metadata, spec.metadata,
                                       "Table.insert")
-    meta = {k: _pad(_int_rows(metadata.get(k, 0), b, f"Table.insert metadata[{k!r}]"), bk)
-            for k in spec.metadata}
+    meta = {c.name: _pad(col_lib.rows(c, metadata.get(c.name, 0), b,
+                                      f"Table.insert metadata[{c.name!r}]"), bk)
+            for c in spec.columns}
+    payload = rollout_inserts.check_payloads(
+        payload, b, self._sidecars is not None and self._sidecars.has_payloads, "Table.insert")
     if version is not None and not self._warned_ahead and ver[:b].max() > self._version:
       self._warned_ahead = True
       warnings.warn(
@@ -294,32 +316,47 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
     # them in ~2 us each, where a jax.device_put of the tuple costs ~70 us.
     args = (padded, ver, prio, has_prio, meta)
     n_real = np.int32(b)
-    inserted = 0
     deadline = None if timeout is None else time.monotonic() + timeout
     with self._cond:
-      while True:
-        self._check_open("insert", inserted=inserted)
-        self._state, rng, k = self._ops.insert(self._state, self._rng, *args,
-                                               np.int32(inserted), n_real)
-        if self._uniform_remover:  # only its victims are drawn with the key
-          self._rng = rng
-        if self._insert_never_blocks:
-          self._cond.notify_all()
+      pending = None
+      if self._sidecars is not None:
+        self._check_open("insert")
+        pending = self._sidecars.stage(ragged_rows, payload, b)
+      try:
+        self._insert_locked(spec, b, args, n_real, timeout, deadline, pending)
+      finally:
+        if pending is not None:
+          self._sidecars.release(pending)
+
+  def _insert_locked(self, spec, b, args, n_real, timeout, deadline, pending) -> None:
+    inserted = 0  # the admission loop of insert (lock held; pending: staged sidecars)
+    while True:
+      self._check_open("insert", inserted=inserted)
+      if pending is not None:  # rows [inserted, ...) get keys next_key, next_key + 1, ...
+        pending.first_key = (int(self._state.next_key) - inserted) % KEY_SPACE
+      self._state, rng, k = self._ops.insert(self._state, self._rng, *args,
+                                             np.int32(inserted), n_real)
+      if pending is not None:
+        self._sidecars.sync(self._state, pending)
+      if self._uniform_remover:  # only its victims are drawn with the key
+        self._rng = rng
+      if self._insert_never_blocks:
+        self._cond.notify_all()
+        return
+      k = int(k)
+      if k:
+        inserted += k
+        self._cond.notify_all()
+        if inserted == b:
           return
-        k = int(k)
-        if k:
-          inserted += k
-          self._cond.notify_all()
-          if inserted == b:
-            return
-        if not self._wait(deadline):
-          err = TimeoutError(
-              f"Table.insert timed out after {timeout} s with {inserted} of {b} items inserted: "
-              f"the rate limiter {_describe_limiter(spec)} forbids more inserts until items "
-              f"are sampled (table size {int(self._state.size)}). Sample from the table, "
-              "pass a larger timeout, or loosen the rate limiter.")
-          err.inserted = inserted
-          raise err
+      if not self._wait(deadline):
+        err = TimeoutError(
+            f"Table.insert timed out after {timeout} s with {inserted} of {b} items inserted: "
+            f"the rate limiter {_describe_limiter(spec)} forbids more inserts until items "
+            f"are sampled (table size {int(self._state.size)}). Sample from the table, "
+            "pass a larger timeout, or loosen the rate limiter.")
+        err.inserted = inserted
+        raise err
 
   # -- checkpoints / ingestion ---------------------------------------------------------
   def save(self, path, **kwargs):
@@ -331,7 +368,8 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
     """Restore a table saved by ``save`` (``funcreplay.checkpoint.restore_table``)."""
     return checkpoint_io("restore")(path, **kwargs)
 
-  def load(self, path, *, verify: bool = True, check: bool = True) -> None:
+  def load(self, path, *, verify: bool = True, check: bool = True,
+           allow_pickle: bool = False) -> None:
     """Restore a checkpoint *into* this table (same spec): ingestors, samplers and
     threads holding this ``Table`` carry on with the loaded items, counters, PRNG key
     and version.
@@ -345,13 +383,16 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
     ``Table.restore`` (CRC-32s; the state's consistency, see ``from_state``).
     """
     self._check_open("load")
-    state, version, rng = checkpoint_io("load")(self, path, verify=verify, check=check)
+    state, version, rng, sidecar = checkpoint_io("load")(self, path, verify=verify,
+                                                         check=check, allow_pickle=allow_pickle)
     # The table's own copy, finished before the swap: a direct (in-place) sample may
     # read the buffers as soon as the lock is released.
     state = jax.block_until_ready(self._ops.copy(jax.tree_util.tree_map(jnp.asarray, state)))
     with self._cond:
       self._check_open("load")
       self._state = state
+      if self._sidecars is not None:
+        self._sidecars.reset(state, *(sidecar or (None, None)))
       if rng is not None:
         self._rng, self._version = jnp.asarray(rng), version
       self._cond.notify_all()

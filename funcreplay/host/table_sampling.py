@@ -21,6 +21,8 @@ from funcreplay.core import selectors as sel
 from funcreplay.core.packing import is_torch_tensor
 from funcreplay.core.state import Sample
 from funcreplay.host import direct as direct_lib
+from funcreplay.host.rollout.batch import HostSample, check_format
+from funcreplay.host.rollout.mixin import sidecar_rows
 from funcreplay.host.validation import I32, Where
 from funcreplay.host.validation import check_int as _check_int
 from funcreplay.host.validation import check_timeout as _check_timeout
@@ -35,7 +37,7 @@ class SamplingMixin:
   # -- sample ---------------------------------------------------------------------
   def sample(self, batch_size: int, *, version: Optional[int] = None, where: Where = None,
              timeout: Optional[float] = None, replace: bool = False,
-             min_valid: Optional[int] = None) -> Sample:
+             min_valid: Optional[int] = None, ragged: str = "padded") -> Sample:
     """Sample ``batch_size`` items, waiting until enough are available.
 
     Args:
@@ -50,6 +52,9 @@ class SamplingMixin:
       min_valid: wait until at least this many eligible items exist (default
         ``batch_size``; 1 with ``replace=True``). With fewer than B eligible
         items the extra rows have ``valid=False``.
+      ragged: on a table with ``Ragged`` leaves or payloads the result is an
+        ``fr.HostSample`` whose ragged leaves are ``RaggedBatch`` values,
+        ``"padded"`` ([B, max_len] + lengths) or ``"packed"`` ([sum_len] + offsets).
 
     Blocks while fewer than ``min_valid`` items are eligible (occupied, fresh
     enough, matching ``where``) or while the rate limiter forbids sampling the
@@ -70,8 +75,9 @@ class SamplingMixin:
       ``valid`` bool[B], ``info`` (slot int32[B], key uint32[B], probability
       float32[B], priority, times_sampled, version), ``num_eligible`` int32[].
     """
+    check_format(ragged, "Table.sample")
     return self._sample("Table.sample", batch_size, version, where, timeout, replace, min_valid,
-                        packed=False)
+                        packed=False, ragged=ragged)
 
   def sample_packed(self, batch_size: int, *, version: Optional[int] = None,
                     where: Where = None, timeout: Optional[float] = None, replace: bool = False,
@@ -161,9 +167,12 @@ class SamplingMixin:
     return result
 
   def _sample(self, what, batch_size, version, where, timeout, replace, min_valid, *, packed,
-              out=None, out_owner=None):
+              out=None, out_owner=None, ragged="padded"):
     self._check_open("sample")
     spec = self.spec
+    if packed and self._sidecars is not None:
+      raise ValueError(f"{what}: this table keeps ragged values or payloads on the host, which "
+                       "a packed buffer cannot carry; use Table.sample.")
     timeout = _check_timeout(timeout)
     if isinstance(batch_size, (bool, np.bool_)) or not isinstance(batch_size, (int, np.integer)) \
         or batch_size < 1:
@@ -212,6 +221,12 @@ class SamplingMixin:
             np.copyto(out, np.asarray(result.buffer))
             result = packing.PackedSample(out_owner, result.layout)
         if ok:
+          if self._sidecars is not None:  # read the rows' host values before they may go
+            data, payload = sidecar_rows(spec, self._sidecars, result.data,
+                                         np.asarray(result.info.slot), ragged)
+            self._sidecars.sync(self._state)
+            result = HostSample(data=data, valid=result.valid, info=result.info,
+                                num_eligible=result.num_eligible, payload=payload)
           self._cond.notify_all()
           return result
         if not self._wait(deadline):

@@ -17,6 +17,7 @@ import numpy as np
 
 from funcreplay.core import ops
 from funcreplay.core.state import TableState
+from funcreplay.host.rollout import columns as col_lib
 from funcreplay.host.validation import Where
 from funcreplay.host.validation import as_array as _as_array
 from funcreplay.host.validation import bucket as _bucket
@@ -84,13 +85,16 @@ class UpdatesMixin:
     s, k = self._slots_keys(slots, keys, "Table.set_metadata")
     if s is None:
       return
-    v = _int_rows(values, len(s), f"Table.set_metadata values[{column!r}]")
+    v = col_lib.rows(self.spec.column(column), values, len(s),
+                     f"Table.set_metadata values[{column!r}]")
     n = _bucket(len(s), 2**30)
     fn = functools.partial(self._ops.set_metadata, column=column)
     self._mutate("set_metadata", fn, _pad(s, n, -1), _pad(k, n, 0), _pad(v, n))
 
-  def evict_stale(self, version: Optional[int] = None) -> int:
-    """Free every item too stale for ``version`` (default ``self.version``); returns how many."""
+  def evict_stale(self, version: Optional[int] = None, *, receipt: bool = False):
+    """Free every item too stale for ``version`` (default ``self.version``); returns how
+    many, or with ``receipt=True`` a ``Receipt`` (keys, slots, versions, metadata and
+    payloads of the removed items, e.g. to re-queue their prompts)."""
     self._check_open("evict_stale")
     if self.spec.max_staleness is None:
       raise ValueError("Table.evict_stale: the table has no max_staleness; set "
@@ -99,9 +103,12 @@ class UpdatesMixin:
                             "Table.evict_stale version"))
     with self._cond:
       self._check_open("evict_stale")
+      got = self._stale_receipt(v) if receipt else None  # read before the items go
       self._state, n = self._ops.evict_stale(self._state, v)
+      if self._sidecars is not None:
+        self._sidecars.sync(self._state)
       self._cond.notify_all()
-      return int(n)
+      return got if receipt else int(n)
 
   # -- queries --------------------------------------------------------------------
   def count(self, where: Where = None, version: Optional[int] = None) -> int:
@@ -133,8 +140,10 @@ class UpdatesMixin:
     """
     with self._cond:
       self._check_open("checkpoint_state")
-      return self._reading(self._ops.copy(self._state)), dict(version=self._version,
-                                               rng=np.array(self._rng, dtype=np.uint32))
+      host = dict(version=self._version, rng=np.array(self._rng, dtype=np.uint32))
+      if self._sidecars is not None:  # ragged values / payloads, from the same instant
+        host["sidecars"] = self._sidecars.snapshot()
+      return self._reading(self._ops.copy(self._state)), host
 
   def rng_key(self) -> jax.Array:
     """The host PRNG key (uint32[2]) the next sample will split."""
@@ -184,6 +193,9 @@ class UpdatesMixin:
         if col not in spec.metadata:
           raise ValueError(f"{what}: unknown where column {col!r}; the spec declares "
                            f"{list(spec.metadata)}.")
+        column = spec.column(col)
+        if not column.plain:  # strings of a vocab, floats: their stored int32 words
+          vals = col_lib.encode(column, vals, f"{what} where[{col!r}]")
         a = _as_array(vals, f"{what} where[{col!r}]")
         if a.size == 0:
           raise ValueError(f"{what}: where[{col!r}] must be an int or a non-empty sequence "

@@ -147,6 +147,9 @@ class Ingestor(ProducerQueue, InsertWorker, Batcher):
         raise ValueError(f"Ingestor: {what} must be a number of seconds >= 0, got None.")
     self._table = table
     self._spec = table.spec
+    if table.spec.ragged:
+      raise TypeError("Ingestor: the table has Ragged leaves, which the Ingestor's fixed-shape "
+                      "queue cannot carry; insert with Table.insert or fr.GroupWriter.")
     self._sig = table.spec.signature
     self._n_leaves = len(self._sig.leaves)
     self._checker = ItemChecker(self._sig, "Ingestor.put")

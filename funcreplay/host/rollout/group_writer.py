@@ -1,0 +1,244 @@
+"""``GroupWriter``: rollout groups assembled from responses that arrive one by one.
+
+In GRPO-style training one table item is a *group*: G responses to one prompt. The
+responses come from different inference workers, in any order and interleaved with
+other groups. ``GroupWriter.add(group_id, response)`` (thread-safe, from any producer)
+collects them; a group is inserted as one item when its G-th response arrives, or,
+past ``timeout_s`` since its first response, with the responses it has, a ``mask``
+and the ``partial`` status (a background thread checks deadlines every
+``poll_s``). A response for a group already inserted is *late*: it is refused
+(``add`` returns False) and counted, never dropped silently.
+
+The default assembly (``assemble_group``) maps response leaves to group leaves by
+name, over a dict signature: a ``Ragged`` group leaf concatenates the responses'
+1-D values (with ``<name>_lengths`` int32[G], if declared, saying where each ends); a
+dense group leaf ``[G, ...]`` stacks them (zeros for missing responses); ``mask``
+bool[G], if declared, marks the responses present. Pass ``assemble=`` for anything
+else (a function ``(responses: list of G entries, None where missing) -> item``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Dict, Hashable, Optional
+
+import numpy as np
+
+from funcreplay.core.columns import Ragged
+
+RECENT = 65_536  # completed group ids remembered to recognise late responses
+
+
+@dataclasses.dataclass
+class GroupStats:
+  """Counters of a ``GroupWriter``."""
+
+  responses: int = 0
+  complete: int = 0       # groups inserted with all G responses
+  partial: int = 0        # groups inserted at their timeout, masked
+  late: int = 0           # responses refused: their group was already inserted
+  pending: int = 0        # groups still collecting
+
+
+def assemble_group(spec, group_size: int):
+  """The default assembly for ``spec`` (a dict signature; see the module docstring)."""
+  tree = spec.item_tree
+  if not isinstance(tree, dict):
+    raise TypeError("GroupWriter: the default assembly needs a dict signature; pass "
+                    "assemble=fn(responses) -> item.")
+  for name, leaf in tree.items():
+    if isinstance(leaf, Ragged) or name == "mask" or (
+        name.endswith("_lengths") and isinstance(tree.get(name[:-8]), Ragged)):
+      continue
+    if not hasattr(leaf, "shape") or not leaf.shape or leaf.shape[0] != group_size:
+      raise ValueError(f"GroupWriter: group leaf {name!r} must be Ragged or have a leading "
+                       f"axis of the group size {group_size}, got {leaf}.")
+
+  def assemble(responses):
+    item = {}
+    present = [r is not None for r in responses]
+    for name, leaf in tree.items():
+      if name == "mask":
+        item[name] = np.asarray([present], bool)
+      elif isinstance(leaf, Ragged):
+        rows = [np.asarray(r[name], leaf.dtype) for r in responses if r is not None]
+        item[name] = [np.concatenate(rows) if rows else np.zeros((0,), leaf.dtype)]
+      elif name.endswith("_lengths") and isinstance(tree.get(name[:-8]), Ragged):
+        item[name] = np.asarray([[0 if r is None else len(r[name[:-8]]) for r in responses]],
+                                leaf.dtype)
+      else:
+        out = np.zeros((1, *leaf.shape), leaf.dtype)
+        for i, r in enumerate(responses):
+          if r is not None:
+            out[0, i] = r[name]
+        item[name] = out
+    return item
+
+  return assemble
+
+
+class _Group:
+  __slots__ = ("responses", "n", "deadline", "version", "metadata", "payloads")
+
+  def __init__(self, g, deadline, metadata):
+    self.responses = [None] * g
+    self.n = 0
+    self.deadline = deadline
+    self.version = None
+    self.metadata = metadata
+    self.payloads = [None] * g
+
+
+class GroupWriter:
+  """Collect responses by group id from many producers; insert each group once.
+
+  Args:
+    table: the ``fr.Table`` (or anything with its ``insert`` and ``spec``).
+    group_size: G responses per group.
+    timeout_s: insert a group this long after its first response even if incomplete
+      (None: wait for all G; ``flush()`` inserts the incomplete ones).
+    status_column / complete / partial: the metadata column and values marking complete
+      and timed-out groups (None: no status column).
+    assemble: ``fn(responses) -> item`` (a batch of one); default ``assemble_group``.
+    poll_s: how often the background thread checks deadlines.
+    insert_timeout: passed to ``table.insert`` (rate limiters).
+  """
+
+  def __init__(self, table, group_size: int, *, timeout_s: Optional[float] = None,
+               status_column: Optional[str] = "status", complete: Any = "completed",
+               partial: Any = "aborted", assemble: Optional[Callable] = None,
+               poll_s: float = 0.05, insert_timeout: Optional[float] = 60.0):
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+      raise ValueError(f"GroupWriter: group_size must be an int >= 1, got {group_size!r}.")
+    if timeout_s is not None and not timeout_s > 0:
+      raise ValueError(f"GroupWriter: timeout_s must be None or > 0, got {timeout_s!r}.")
+    if status_column is not None and status_column not in table.spec.metadata:
+      raise ValueError(f"GroupWriter: status_column {status_column!r} is not a metadata column "
+                       f"of the table ({list(table.spec.metadata)}); pass status_column=None.")
+    self._table = table
+    self._g = group_size
+    self._timeout = timeout_s
+    self._status = status_column
+    self._values = (complete, partial)
+    self._assemble = assemble or assemble_group(table.spec, group_size)
+    self._insert_timeout = insert_timeout
+    self._groups: Dict[Hashable, _Group] = {}
+    self._recent: collections.OrderedDict = collections.OrderedDict()
+    self._stats = GroupStats()
+    self._lock = threading.Lock()
+    self._error: Optional[BaseException] = None
+    self._closed = threading.Event()
+    self._thread = None
+    if timeout_s is not None:
+      self._poll = float(poll_s)
+      self._thread = threading.Thread(target=self._reap, name="funcreplay-group-writer",
+                                      daemon=True)
+      self._thread.start()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def add(self, group_id: Hashable, response: Any, *, version: Optional[int] = None,
+          metadata: Optional[dict] = None, payload: Any = None) -> bool:
+    """Add one response (a dict of one response's leaves) to group ``group_id``.
+
+    ``version``: the policy version that produced it (the group gets its responses'
+    lowest: the stalest); ``metadata``: the group's columns (the first response's
+    count); ``payload``: kept per response, the group's payload is their list (tables
+    with ``payloads=True``). Returns False for a late response (its group was already
+    inserted; counted in ``stats().late``). The call that completes a group inserts it.
+    """
+    self._raise_pending()
+    if self._closed.is_set():
+      raise RuntimeError("GroupWriter.add: the writer is closed.")
+    with self._lock:
+      if group_id in self._recent:
+        self._stats.late += 1
+        return False
+      grp = self._groups.get(group_id)
+      if grp is None:
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        grp = self._groups[group_id] = _Group(self._g, deadline, dict(metadata or {}))
+      i = grp.n
+      grp.responses[i], grp.payloads[i] = response, payload
+      grp.n += 1
+      if version is not None:
+        grp.version = version if grp.version is None else min(grp.version, version)
+      self._stats.responses += 1
+      done = grp.n == self._g
+      if done:
+        self._finish_locked(group_id)
+    if done:
+      self._insert(grp, complete=True)
+    return True
+
+  def flush(self) -> int:
+    """Insert every incomplete group now (masked, ``partial``); returns how many."""
+    with self._lock:
+      ids = list(self._groups)
+      groups = [self._finish_locked(g) for g in ids]
+    for grp in groups:
+      self._insert(grp, complete=False)
+    return len(groups)
+
+  def close(self, flush: bool = True) -> None:
+    """Stop the deadline thread; insert (``flush=True``) or drop the incomplete groups."""
+    if self._closed.is_set():
+      return
+    self._closed.set()
+    if self._thread is not None:
+      self._thread.join(timeout=10.0)
+    if flush:
+      self.flush()
+    self._raise_pending()
+
+  def stats(self) -> GroupStats:
+    with self._lock:
+      return dataclasses.replace(self._stats, pending=len(self._groups))
+
+  # -- internals ------------------------------------------------------------------------
+  def _finish_locked(self, group_id) -> _Group:
+    grp = self._groups.pop(group_id)
+    self._recent[group_id] = None
+    if len(self._recent) > RECENT:
+      self._recent.popitem(last=False)
+    return grp
+
+  def _insert(self, grp: _Group, *, complete: bool) -> None:
+    item = self._assemble(grp.responses)
+    meta = dict(grp.metadata)
+    if self._status is not None:
+      meta[self._status] = self._values[0 if complete else 1]
+    kwargs = dict(version=grp.version, metadata=meta, timeout=self._insert_timeout)
+    if getattr(self._table, "keeps_payloads", False):
+      kwargs["payload"] = [list(grp.payloads[:grp.n])]
+    self._table.insert(item, **kwargs)
+    with self._lock:
+      if complete:
+        self._stats.complete += 1
+      else:
+        self._stats.partial += 1
+
+  def _reap(self) -> None:
+    while not self._closed.wait(self._poll):
+      now = time.monotonic()
+      with self._lock:
+        ids = [g for g, grp in self._groups.items() if grp.deadline <= now]
+        groups = [self._finish_locked(g) for g in ids]
+      for grp in groups:
+        try:
+          self._insert(grp, complete=False)
+        except BaseException as e:  # noqa: BLE001 (re-raised in the producers)
+          self._error = e
+          return
+
+  def _raise_pending(self) -> None:
+    if self._error is not None:
+      raise RuntimeError(f"GroupWriter: inserting a timed-out group failed: {self._error!r}") \
+          from self._error

@@ -1,0 +1,93 @@
+"""Issue 28: GroupWriter (responses from many producers -> one item per group)."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import funcreplay as fr
+
+G = 4
+SPEC = fr.TableSpec(
+    64, {"tokens": fr.Ragged(4 * 32, jnp.int32),
+         "tokens_lengths": jax.ShapeDtypeStruct((G,), jnp.int32),
+         "reward": jax.ShapeDtypeStruct((G,), jnp.float32),
+         "mask": jax.ShapeDtypeStruct((G,), bool)},
+    sampler=fr.StalestFirst(),
+    metadata=(fr.Column("task", vocab=("math", "code")),
+              fr.Column("status", vocab=("completed", "aborted", "expired"))))
+
+
+def response(gid, i):
+  n = 1 + (gid * 7 + i * 3) % 32
+  return {"tokens": np.full(n, gid * 10 + i, np.int32), "reward": np.float32(i)}
+
+
+def test_groups_from_many_producers_are_complete_and_ordered():
+  t = fr.Table(SPEC, payloads=True)
+  w = fr.GroupWriter(t, G)
+  gids = list(range(12))
+
+  def producer(k):
+    for gid in gids:
+      w.add(gid, response(gid, k), version=gid // 3 + (k == 2), metadata={"task": "code"},
+            payload=(gid, k))
+
+  threads = [threading.Thread(target=producer, args=(k,)) for k in range(G)]
+  for th in threads:
+    th.start()
+  for th in threads:
+    th.join(timeout=30)
+  w.close()
+  assert w.stats().complete == 12 and w.stats().partial == 0 and len(t) == 12
+  got = t.take_batch({"code": 12})["code"]
+  assert list(got.metadata["status"]) == ["completed"] * 12
+  for row in range(12):
+    lengths = got.data["tokens_lengths"][row]
+    toks = got.data["tokens"].rows()[row]
+    assert toks.size == lengths.sum() and got.data["mask"][row].all()
+    gid = int(toks[0]) // 10
+    assert sorted(p[1] for p in got.payload[row]) == [0, 1, 2, 3]
+    assert all(p[0] == gid for p in got.payload[row])
+    # each response's values are contiguous and belong to this group
+    parts = np.split(toks, np.cumsum(lengths)[:-1])
+    assert sorted(int(p[0]) % 10 for p in parts) == [0, 1, 2, 3]
+    for p in parts:
+      v = int(p[0])
+      assert (p == v).all() and v // 10 == gid
+      assert p.size == response(gid, v % 10)["tokens"].size
+    assert got.info.version[row] == gid // 3  # the stalest response's version
+  assert got.info.version.tolist() == sorted(got.info.version.tolist())  # stalest first
+
+
+def test_timeout_inserts_masked_partial_group_and_late_responses_are_counted():
+  t = fr.Table(SPEC)
+  w = fr.GroupWriter(t, G, timeout_s=0.2, poll_s=0.02)
+  w.add("a", response(1, 0), metadata={"task": "math"})
+  w.add("a", response(1, 1))
+  deadline = time.monotonic() + 10
+  while len(t) == 0 and time.monotonic() < deadline:
+    time.sleep(0.02)
+  assert len(t) == 1 and w.stats().partial == 1
+  assert w.add("a", response(1, 2)) is False and w.stats().late == 1
+  got = t.take_batch({"math": 1}, timeout=0)["math"]
+  assert got.data["mask"][0].tolist() == [True, True, False, False]
+  assert list(got.metadata["status"]) == ["aborted"]
+  assert got.data["reward"][0].tolist() == [0.0, 1.0, 0.0, 0.0]
+  w.close()
+
+
+def test_close_flushes_and_bad_arguments():
+  t = fr.Table(SPEC)
+  with pytest.raises(ValueError, match="status_column 'state'"):
+    fr.GroupWriter(t, G, status_column="state")
+  with pytest.raises(ValueError, match="group_size"):
+    fr.GroupWriter(t, 0)
+  with fr.GroupWriter(t, G) as w:
+    w.add(1, response(1, 0))
+  assert len(t) == 1 and w.stats().partial == 1
+  with pytest.raises(RuntimeError, match="closed"):
+    w.add(2, response(2, 0))
