@@ -57,7 +57,8 @@ returned until every array is read and verified. ``restore_table`` / ``Table.loa
 also check the state's consistency (``funcreplay.host.consistency``, as ``Table.from_state``).
 """
 
-from funcreplay.checkpoint.core import CheckpointInfo, Restored, info, resolve, restore, save
+from funcreplay.checkpoint.core import Restored, resolve, restore, save
+from funcreplay.checkpoint.describe import CheckpointInfo, info
 from funcreplay.checkpoint.errors import CheckpointError
 from funcreplay.checkpoint.host import restore_table, save_table
 from funcreplay.checkpoint.layout import latest, list_steps, prune, step_path

@@ -14,7 +14,7 @@ import functools
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import jax
 import numpy as np
@@ -374,32 +374,3 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
     state = jax.device_put(state)
   return Restored(state=state, spec=spec, host=host, extra=extra, path=path,
                   num_shards=num_shards, sidecar=sidecar_lib.read(path, manifest, side, verify))
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-  """Manifest summary of a checkpoint (``info(path)``); reads no arrays."""
-
-  path: str
-  spec: Dict[str, Any]
-  num_shards: Optional[int]
-  funcreplay_version: str
-  created_unix: float
-  nbytes: int
-  files: List[str]
-  extra: Any
-
-
-def info(path) -> CheckpointInfo:
-  """Read only the manifest of a checkpoint (or the newest one in a directory); a read
-  racing ``save(overwrite=True)`` is read again, as in ``restore`` (``swap.read_stable``)."""
-  return swap.read_stable(path, resolve, lambda: _info_once(resolve(path)))
-
-
-def _info_once(path) -> CheckpointInfo:
-  m = fmt.read_manifest(path)
-  return CheckpointInfo(path=path, spec=m.get("spec"), num_shards=m.get("num_shards"),
-                        funcreplay_version=m.get("funcreplay_version"),
-                        created_unix=m.get("created_unix"),
-                        nbytes=sum(int(e.get("nbytes", 0)) for e in m["arrays"]),
-                        files=[e.get("file") for e in m["arrays"]], extra=m.get("extra"))
