@@ -156,3 +156,29 @@ def check_timeout(timeout) -> Optional[float]:
     raise ValueError(f"timeout must be None (wait forever) or a number of seconds >= 0, "
                      f"got {timeout!r}.")
   return float(timeout)
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_item_extras(version, priority, metadata: Optional[Mapping[str, Any]],
+                      columns: Sequence[str], what: str):
+  """``(version, priority, metadata)`` of ONE item, checked (``Ingestor.put``, the Ray
+  ``RemoteWriter.put``): an int32 version, a finite float32 priority >= 0, int32 values of
+  known metadata ``columns``. None stays None. ``what`` names the call in the errors."""
+  if version is not None:
+    version = check_int(version, f"{what} version")
+  if priority is not None:
+    try:
+      p = float(priority)
+    except (TypeError, ValueError):
+      raise TypeError(f"{what}: priority must be a float, got "
+                      f"{type(priority).__name__} {priority!r}.") from None
+    if not 0.0 <= p <= F32_MAX:  # also rejects NaN
+      raise ValueError(f"{what}: priority must be finite and >= 0 (as float32), got "
+                       f"{priority!r}.")
+    priority = p
+  if metadata is not None:
+    metadata = {k: check_int(v, f"{what} metadata[{k!r}]")
+                for k, v in check_metadata_columns(metadata, columns, what).items()}
+  return version, priority, metadata

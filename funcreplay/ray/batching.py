@@ -3,38 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from funcreplay.core import signature as sig_lib
-from funcreplay.host import validation
 from funcreplay.host.itemcheck import stack_leaf
 from funcreplay.ray.server import NO_VERSION
-
-F32_MAX = float(np.finfo(np.float32).max)
-
-
-def check_extras(version, priority, metadata: Optional[Mapping[str, int]],
-                 columns: Sequence[str], what: str):
-  """``(version, priority, metadata)`` of one item checked as ``Ingestor.put`` checks them
-  (int32 version, finite float32 priority >= 0, int32 values of known columns)."""
-  if version is not None:
-    version = validation.check_int(version, f"{what} version")
-  if priority is not None:
-    try:
-      p = float(priority)
-    except (TypeError, ValueError):
-      raise TypeError(f"{what}: priority must be a float, got "
-                      f"{type(priority).__name__} {priority!r}.") from None
-    if not 0.0 <= p <= F32_MAX:  # also rejects NaN
-      raise ValueError(f"{what}: priority must be finite and >= 0 (as float32), got "
-                       f"{priority!r}.")
-    priority = p
-  if metadata is not None:
-    metadata = {k: validation.check_int(v, f"{what} metadata[{k!r}]")
-                for k, v in validation.check_metadata_columns(metadata, columns, what).items()}
-  return version, priority, metadata
 
 
 def stack_entries(entries: list, sig: sig_lib.Signature, columns: Sequence[str]):

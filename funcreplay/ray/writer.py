@@ -40,7 +40,6 @@ import numpy as np
 
 from funcreplay.host import validation
 from funcreplay.host.itemcheck import ItemChecker
-from funcreplay.ray import batching
 from funcreplay.ray.calls import require_ray
 from funcreplay.ray.errors import (
   WriterClosedError,
@@ -137,8 +136,8 @@ class RemoteWriter(InFlightBatches):
     if self._copy:
       leaves = tuple(map(np.array, leaves))
     if version is not None or priority is not None or metadata is not None:
-      leaves += batching.check_extras(version, priority, metadata, self._columns,
-                                       "RemoteWriter.put")
+      leaves += validation.check_item_extras(version, priority, metadata, self._columns,
+                                             "RemoteWriter.put")
     with self._lock:
       self._append([leaves], "put")
 

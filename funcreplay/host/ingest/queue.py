@@ -19,7 +19,6 @@ from funcreplay.host import validation
 from funcreplay.host.ingest.errors import IngestorClosedError, IngestorFullError
 
 NEVER = 1 << 62  # "no producer needs to wake the insert thread"
-F32_MAX = float(np.finfo(np.float32).max)
 
 
 class Marker:
@@ -36,7 +35,7 @@ class Discarding(Exception):
 
 
 # The bodies below predate the split (names kept as they were).
-_NEVER, _F32_MAX, _Marker, _Discarding = NEVER, F32_MAX, Marker, Discarding
+_NEVER, _Marker, _Discarding = NEVER, Marker, Discarding
 
 
 class ProducerQueue:
@@ -157,22 +156,8 @@ class ProducerQueue:
     return validation.check_metadata_columns(metadata, self._columns, what)
 
   def _check_extras(self, version, priority, metadata):
-    if version is not None:
-      version = validation.check_int(version, "Ingestor.put version")
-    if priority is not None:
-      try:
-        p = float(priority)
-      except (TypeError, ValueError):
-        raise TypeError(f"Ingestor.put: priority must be a float, got "
-                        f"{type(priority).__name__} {priority!r}.") from None
-      if not 0.0 <= p <= _F32_MAX:  # also rejects NaN
-        raise ValueError(f"Ingestor.put: priority must be finite and >= 0 (as float32), got "
-                         f"{priority!r}.")
-      priority = p
-    if metadata is not None:
-      metadata = {k: validation.check_int(v, f"Ingestor.put metadata[{k!r}]")
-                  for k, v in self._check_meta_keys(metadata, "Ingestor.put").items()}
-    return version, priority, metadata
+    return validation.check_item_extras(version, priority, metadata, self._columns,
+                                        "Ingestor.put")
 
   def _set_stopped(self) -> None:
     """Send every producer to the slow paths (lock held)."""
