@@ -10,7 +10,7 @@ Program (B = batch size, N = ``state.size``, C = capacity, P = tree size):
    uniformly random permutation of ``[0, N)`` (with ``replace``: B i.i.d.
    uniform integers in ``[0, N)``). O(B log B).
 2. ``slot = k-th occupied slot`` for ``k = x``: a descent of the occupancy
-   count tree (``kth_occupied``, 4 levels per step), O(B log P). Any
+   count tree (``kth_occupied``, 3 levels per step), O(B log P). Any
    bijection from ``[0, N)`` onto the occupied slots gives the same
    distribution; the descent works with holes, so there is no hole test, no
    rejection and no fallback. It is also most of the program's cost in a
@@ -59,11 +59,13 @@ def positions(rng, n, b: int, replace: bool, n_max: int = 1 << 31):
   return x, jnp.broadcast_to(n > 0, (b,))
 
 
-# Tree levels descended per step: one gather of the 2**_LEVELS nodes below the
-# current one, a cumulative sum and a count. XLA fuses each binary level into
-# a fusion of its own (18 for C = 2**18), and those dominated the lean
-# uniform sample in a scan; 4 levels per step gives 5 fusions.
-_LEVELS = 4
+# Tree levels descended per step. Each step is one elementwise fusion over the B
+# rows (2**_LEVELS - 1 one-element gathers of the children's counts, their running
+# sum, the child taken) plus one scatter that materializes ``(node, k)``: 3 levels
+# per step measured fastest in a scan (2 and 4 within noise; 4 levels as one [B, 16]
+# gather and a ``cumsum``, the previous program, 1.6x slower: XLA:CPU runs
+# the cumsum's reduce-window as a thunk of its own at ~10 us).
+_LEVELS = 3
 
 
 def kth_occupied(tree, k):
@@ -79,13 +81,22 @@ def kth_occupied(tree, k):
   left = trees.depth(p)
   while left:
     step = min(_LEVELS, left)
-    children = node[:, None] * (1 << step) + jnp.arange(1 << step, dtype=jnp.int32)[None, :]
-    cnt = tree[children]
-    before = jnp.cumsum(cnt, axis=1) <= k[:, None]
-    idx = jnp.minimum(jnp.sum(before, axis=1, dtype=jnp.int32), (1 << step) - 1)
-    k = k - jnp.sum(jnp.where(before, cnt, 0), axis=1)
-    node = node * (1 << step) + idx
+    w = 1 << step
+    # Child j is taken when the counts of children 0..j-1 sum to <= k < those of 0..j
+    # (the last child when no earlier one is): unrolled over [B] vectors, so XLA
+    # fuses the gathers and the running sum into one loop over the rows.
+    csum, idx, sub = jnp.zeros_like(k), jnp.zeros_like(k), jnp.zeros_like(k)
+    for j in range(w - 1):
+      csum = csum + tree[node * w + j]
+      before = csum <= k
+      idx = idx + before.astype(jnp.int32)
+      sub = jnp.where(before, csum, sub)
+    k, node = k - sub, node * w + idx
     left -= step
+    if left:
+      # Materialized together: the next step would otherwise recompute this one
+      # (and all before it) in each of its gathers (``materialize``).
+      node, k = materialize(jnp.concatenate([node, k])).reshape(2, -1)
   return node - p
 
 
