@@ -531,7 +531,7 @@ def main(argv):
   f = flags.FLAGS
   if f.scan:  # issue 25's in-scan cases, portable and native vs flashbax (bench_scan.py)
     from experiments import bench_scan
-    bench_scan.main(["--hlo", f"--rounds={f.scan_rounds}"])
+    bench_scan.main(["--hlo", f"--rounds={f.scan_rounds}", f"--platform={f.scan_platform}"])
     return
   rows = run(f.small)
   for r in rows:
@@ -550,4 +550,6 @@ if __name__ == "__main__":
   flags.DEFINE_bool("scan", False, "run only issue 25's in-scan cases and HLO counts "
                     "(experiments/bench_scan.py)")
   flags.DEFINE_integer("scan_rounds", 5, "interleaved rounds of the --scan cases")
+  flags.DEFINE_string("scan_platform", "", "backend of the --scan cases: cpu, gpu, tpu "
+                      "('': JAX's default)")
   app.run(main)
