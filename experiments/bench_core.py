@@ -111,6 +111,7 @@ class _Runner:
 
   def __init__(self, step: Callable[[int], None], sync: Callable[[], None], target_s: float):
     self.step, self.sync, self.i, self.times = step, sync, 0, []
+    self.cpu_times = []  # process CPU seconds per call (all threads), one per run()
     for _ in range(2):  # compile + warm up
       self._call()
     self.sync()
@@ -127,11 +128,12 @@ class _Runner:
     self.i += 1
 
   def run(self):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(self.steps):
       self._call()
     self.sync()
     self.times.append((time.perf_counter() - t0) / self.steps)
+    self.cpu_times.append((time.process_time() - c0) / self.steps)
 
 
 def _measure(runners: Dict[str, _Runner], repeats: int) -> Dict[str, float]:

@@ -21,7 +21,10 @@ the portable programs) are left out. Nothing in the portable programs is
 CPU-only (no host callbacks, no CPU custom calls of ours).
 
 Runners are measured round-robin (``--rounds`` rounds), medians reported, with
-the ratio ``flashbax seconds / ours seconds`` (> 1: ours faster). ``--hlo``
+the ratio ``flashbax seconds / ours seconds`` (> 1: ours faster), and the same
+ratio of process CPU time (all threads): on a shared, loaded machine the wall
+ratio of one run moves by 2x (other processes preempt the 2 XLA threads at
+random), the CPU-time ratio much less. ``--hlo``
 prints the operation counts of the compiled programs (``funcreplay.core.hlo``).
 ``python experiments/bench_core.py --scan`` runs this too.
 
@@ -198,6 +201,8 @@ def main(argv=None):
   ap.add_argument("--cases", default="uniform,prioritized")
   ap.add_argument("--hlo", action="store_true")
   ap.add_argument("--ring", action="store_true", help="also lean with ring slots (no holes)")
+  ap.add_argument("--native", type=int, default=1,
+                  help="also time native=True (CPU kernels; 0: portable vs flashbax only)")
   ap.add_argument("--platform", default="", help="cpu, gpu or tpu ('': JAX's default backend)")
   a = ap.parse_args(argv)
   if a.platform:  # before any backend is initialised
@@ -226,7 +231,7 @@ def run(a):
     if case == "prioritized":
       spec = spec.replace(sampler=fr.Prioritized(0.6))
     tables = {"portable": fr.make_table(spec, native=False)}
-    if platform == "cpu":  # elsewhere native=True runs the portable programs
+    if platform == "cpu" and a.native:  # elsewhere native=True runs the portable programs
       tables["native"] = fr.make_table(spec, native=True)
     if case == "uniform" and a.ring:  # what an O(1) position -> slot map would give
       tables["lean-ring"] = LeanRing(spec)
@@ -237,13 +242,15 @@ def run(a):
       runners = prioritized_runners(tables, fbx, fill, a.target_s, platform)
       kinds = ("prio",)
     secs = _measure(runners, a.rounds)
+    cpu = {k: float(np.median(r.cpu_times)) for k, r in runners.items()}
     for kind in kinds:
-      f = secs[f"flashbax {kind}"]
+      f, fc = secs[f"flashbax {kind}"], cpu[f"flashbax {kind}"]
       for name in tables:
-        s = secs[f"{name} {kind}"]
+        s, c = secs[f"{name} {kind}"], cpu[f"{name} {kind}"]
         spread = np.ptp(runners[f"{name} {kind}"].times) / s
         print(f"{case:<12} {kind:<8} {name:<9} {s / STEPS * 1e6:9.1f} us/step  flashbax "
-              f"{f / STEPS * 1e6:9.1f} us/step  ratio {f / s:5.2f}x  (spread {spread:.0%})")
+              f"{f / STEPS * 1e6:9.1f} us/step  ratio {f / s:5.2f}x  (spread {spread:.0%}; "
+              f"process CPU time ratio {fc / c:5.2f}x)")
     del runners
 
 
