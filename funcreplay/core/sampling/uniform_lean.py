@@ -14,9 +14,10 @@ Program (B = batch size, N = ``state.size``, C = capacity, P = tree size):
    ``occupied`` bytes), O(B log P). Any
    bijection from ``[0, N)`` onto the occupied slots gives the same
    distribution; the descent works with holes, so there is no hole test, no
-   rejection and no fallback. It is also most of the program's cost in a
-   scan: an O(1) position -> slot map (``ring=True``, an experiment valid
-   only without holes) measured ~1.8x faster (BUILD.md "Lean portable programs").
+   rejection and no fallback. It ends in one cache line of ``occupied`` per
+   row, what an O(1) position -> slot map would cost too (``ring=True`` is
+   such a map, an experiment valid only without holes); the step is
+   memory-bound (BUILD.md "Lean portable programs", findings 8-10).
 3. Gather every data leaf and the info columns; ``times_sampled[slot] += 1``
    (one scatter-add); ``samples`` counter and ``limiter_diff``; with a
    ``version``, the ``sampled_staleness_sum`` counter.
