@@ -26,6 +26,14 @@ from funcreplay.core.selectors import Fifo, Lifo, MaxHeap, MinHeap, Prioritized,
 from funcreplay.core.signature import Signature, check_items
 from funcreplay.core.spec import TableSpec, queue, stack
 from funcreplay.core.state import Sample, SampleInfo, TableState, state_counters
+from funcreplay.core.trajectory import (
+  TrajectorySpec,
+  TrajectoryState,
+  TrajectoryTable,
+  make_trajectory_table,
+  n_step_returns,
+  n_step_target,
+)
 from funcreplay.core.version import VERSION as __version__  # noqa: F401 (public)
 
 # Public name -> (module, attribute; None: the module itself), imported on first use.
@@ -84,4 +92,6 @@ __all__ = [
     "IngestorClosedError", "IngestorError", "IngestorFullError", "IngestorStats",
     "SequenceWriter", "WriterStats", "sequence_signature", "native", "PackedSample",
     "PackedLayout", "PackedField", "clear_caches",
+    "TrajectorySpec", "TrajectoryState", "TrajectoryTable", "make_trajectory_table",
+    "n_step_returns", "n_step_target",
 ]
