@@ -74,6 +74,13 @@ def kth_occupied(tree, k):
   descent's "go right when k >= left count", ``_LEVELS`` levels at once).
   ``k`` must be below the number of occupied slots.
   """
+  return kth_with_rank(tree, k)[0]
+
+
+def kth_with_rank(tree, k):
+  """``(leaf, rank)``: the leaf of count ``tree`` holding the ``k``-th (0-based) counted
+  unit and that unit's rank within the leaf (``kth_occupied``'s descent; leaves may
+  count more than one, e.g. the set bits of a block of a bitmask)."""
   p = tree.shape[0] // 2
   node = jnp.ones(k.shape, jnp.int32)
   left = trees.depth(p)
@@ -86,7 +93,7 @@ def kth_occupied(tree, k):
     k = k - jnp.sum(jnp.where(before, cnt, 0), axis=1)
     node = node * (1 << step) + idx
     left -= step
-  return node - p
+  return node - p, k
 
 
 def gather_rows(state: TableState, slot, valid):

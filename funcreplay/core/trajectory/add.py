@@ -11,8 +11,8 @@ Program (E envs, t static steps, p period, L length, K = ceil(t / p)):
    most ``K`` per env) become sampleable unless an episode start lies in
    their steps 2..L (found from ``first``'s running last-start index and
    the carried ``since_first``), and the windows restarted in step 2 that do
-   not also complete in the block leave the index: one ``refresh_count`` of
-   ``2 E K`` distinct leaves (O(E K log N)).
+   not also complete in the block leave the index: ``index.update`` of
+   ``2 E K`` distinct windows (O(E K log(N / 32))).
 4. ``head``, ``filled``, ``written``, ``since_first`` and the ``steps`` counter.
 
 Everything is elementwise or a gather / scatter of static size: no
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import trees
+from funcreplay.core.trajectory import index
 from funcreplay.core.trajectory.spec import TrajectorySpec
 from funcreplay.core.trajectory.state import TrajectoryState
 
@@ -157,14 +157,13 @@ def add(spec: TrajectorySpec, state: TrajectoryState, steps, *, version=0, mask=
                 & (b_end_c - (ln - 1) + cap >= t))
     w_end = (env[:, None] * spec.windows_per_env
              + ((head[:, None] + b_end_c - (ln - 1)) % cap) // p)
-    ok = (since >= ln - 1).astype(jnp.int32)
     # A window restarted in the block leaves the index unless it completes in it too.
     leaving = ok_start & (b_start + ln - 1 >= t)
     slots = jnp.concatenate([w_start.reshape(-1), w_end.reshape(-1)])
-    values = jnp.concatenate([jnp.zeros((e * k,), jnp.int32), ok.reshape(-1)])
+    values = jnp.concatenate([jnp.zeros((e * k,), bool), (since >= ln - 1).reshape(-1)])
     valid = jnp.concatenate([leaving.reshape(-1), complete.reshape(-1)])
-    new["ok_tree"] = trees.refresh_count(state.ok_tree, jnp.where(valid, slots, 0), values,
-                                         valid)
+    new["ok_bits"], new["ok_tree"] = index.update(state.ok_bits, state.ok_tree, slots, values,
+                                                  valid)
     last_all = last[:, -1]
     since_new = jnp.where(last_all >= 0, t - 1 - last_all,
                           jnp.minimum(state.since_first + t, ln))

@@ -8,8 +8,8 @@ Three programs, chosen statically:
   so position ``x`` of ``[0, N_valid)`` maps to (env, distance) through the
   ``[E]`` prefix sum of the per-env counts: O(B E), no index at all.
 * **Lean uniform, index** (``Uniform``, episodes tracked, no mask): the
-  ``x``-th leaf set in the ``ok_tree`` count tree (``uniform_lean.kth_occupied``),
-  O(B log N).
+  ``x``-th set bit of the window bitmask (``index.kth``: a descent of the
+  count tree over its words, then a popcount select), O(B log(N / 32)).
 * **General** (a ``Prioritized`` sampler or any mask): the eligibility mask
   over the ``N`` windows, then an exact draw: uniform by the ``x``-th
   eligible window of a count tree built over it, prioritized without
@@ -33,6 +33,7 @@ from funcreplay.core import bits, numerics, staleness, trees
 from funcreplay.core import counters as ctr
 from funcreplay.core.sampling.uniform_lean import kth_occupied, positions
 from funcreplay.core.state import Sample, SampleInfo
+from funcreplay.core.trajectory import index
 from funcreplay.core.trajectory import state as st
 from funcreplay.core.trajectory.spec import TrajectorySpec
 from funcreplay.core.trajectory.state import TrajectoryState
@@ -147,9 +148,10 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
     ok = eligible(spec, state, version=version, where=where)
     w, valid, n = _uniform_masked(spec, state, rng, b, replace, ok)
   elif spec.tracks_episodes:
-    n = state.ok_tree[1]
+    n = index.count(state.ok_tree)
     x, valid = positions(rng, n, b, replace, spec.num_windows)
-    w = kth_occupied(state.ok_tree, jnp.where(valid, x, 0))
+    w = jnp.minimum(index.kth(state.ok_bits, state.ok_tree, jnp.where(valid, x, 0)),
+                    spec.num_windows - 1)
   else:
     w, valid, n = _closed_form(spec, state, rng, b, replace)
   if prob is None:

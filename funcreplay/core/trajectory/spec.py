@@ -124,7 +124,7 @@ class TrajectorySpec:
 
   @property
   def tree_size(self) -> int:
-    """Leaves of the window index tree (next power of two >= ``N``)."""
+    """Leaves of the trees the masked draws build over the windows (power of two >= ``N``)."""
     return 1 << max(0, (self.num_windows - 1).bit_length())
 
   @property

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from funcreplay.core import counters as ctr
 from funcreplay.core import signature as sig_lib
 from funcreplay.core.state import register_dataclass
+from funcreplay.core.trajectory import index
 from funcreplay.core.trajectory.spec import TrajectorySpec
 
 COUNTERS = ("steps", "samples")
@@ -32,7 +33,7 @@ COUNTERS = ("steps", "samples")
 class TrajectoryState:
   """A trajectory table as a pytree of preallocated arrays.
 
-  E envs, T = time_capacity, N = num_windows, P = tree_size.
+  E envs, T = time_capacity, N = num_windows, P = ``index.tree_size(N)``.
 
   Attributes:
     data: the step pytree with leading ``[E, T]`` axes on every leaf.
@@ -41,9 +42,11 @@ class TrajectoryState:
     written: uint32[E] steps ever written per env, modulo 2**32 (window keys).
     since_first: int32[E] steps since the env's latest episode start,
       saturated at L (``cross_episodes=False`` only; shape [0] otherwise).
-    ok_tree: int32[2P] count tree whose leaf ``w`` is 1 iff window ``w`` is
-      complete and crosses no episode start (``cross_episodes=False`` only;
-      shape [0] otherwise: the geometry alone decides).
+    ok_bits: uint32[ceil(N / 32)] bit ``w`` set iff window ``w`` is complete and
+      crosses no episode start, and
+    ok_tree: int32[2P] count tree of the set bits per word (``index``;
+      ``cross_episodes=False`` only, shape [0] otherwise: the geometry alone
+      decides).
     version: int32[N] version of the window's first step.
     times_sampled: int32[N] samples of the window since its first step was written.
     priority: float32[N] (``Prioritized`` only; shape [0] otherwise).
@@ -56,6 +59,7 @@ class TrajectoryState:
   filled: jnp.ndarray
   written: jnp.ndarray
   since_first: jnp.ndarray
+  ok_bits: jnp.ndarray
   ok_tree: jnp.ndarray
   version: jnp.ndarray
   times_sampled: jnp.ndarray
@@ -73,15 +77,17 @@ class TrajectoryState:
 
 def init_state(spec: TrajectorySpec) -> TrajectoryState:
   """A fresh, empty state for ``spec`` (every buffer preallocated)."""
-  e, n, p = spec.num_envs, spec.num_windows, spec.tree_size
+  e, n = spec.num_envs, spec.num_windows
   track = spec.tracks_episodes
+  ok_bits, ok_tree = index.empty(n if track else 0)
   return TrajectoryState(
       data=sig_lib.zeros(spec.signature, (e, spec.time_capacity)),
       head=jnp.zeros((e,), jnp.int32),
       filled=jnp.zeros((e,), jnp.int32),
       written=jnp.zeros((e,), jnp.uint32),
       since_first=jnp.full((e if track else 0,), spec.sequence_length, jnp.int32),
-      ok_tree=jnp.zeros((2 * p if track else 0,), jnp.int32),
+      ok_bits=ok_bits if track else jnp.zeros((0,), jnp.uint32),
+      ok_tree=ok_tree if track else jnp.zeros((0,), jnp.int32),
       version=jnp.zeros((n,), jnp.int32),
       times_sampled=jnp.zeros((n,), jnp.int32),
       priority=jnp.zeros((n if spec.prioritized else 0,), jnp.float32),
@@ -118,7 +124,7 @@ def valid_windows(spec: TrajectorySpec, state: TrajectoryState, w):
   """bool[...]: windows ``w`` that may be sampled before any mask (staleness, reuse,
   ``where``): stored and, when episodes are tracked, crossing no episode start."""
   if spec.tracks_episodes:
-    return state.ok_tree[spec.tree_size + w] > 0
+    return index.is_set(state.ok_bits, w)
   return stored(spec, state, w)
 
 
@@ -129,7 +135,7 @@ def all_windows(spec: TrajectorySpec):
 def count_valid(spec: TrajectorySpec, state: TrajectoryState):
   """int32[]: windows ``valid_windows`` admits (O(1) from the tree, else O(E))."""
   if spec.tracks_episodes:
-    return state.ok_tree[1]
+    return index.count(state.ok_tree)
   return jnp.sum(per_env_counts(spec, state)[1])
 
 
