@@ -3,8 +3,7 @@
 Program (E envs, t static steps, p period, L length, K = ceil(t / p)):
 
 1. Every data leaf: one scatter of the ``E * t`` rows at flat positions
-   ``env * (T + L - 1) + (head + i) mod T``, and of the mirror copies of
-   positions below ``L - 1`` at ``+ T`` (masked envs drop theirs).
+   ``env * T + (head + i) mod T`` (masked envs drop theirs).
 2. Window starts written in the block (at most ``K`` per env, ring positions
    ``= 0 mod p``) begin a new window in their id: ``version``,
    ``times_sampled`` and (``Prioritized``) ``priority`` reset. O(E K).
@@ -113,21 +112,14 @@ def add(spec: TrajectorySpec, state: TrajectoryState, steps, *, version=0, mask=
   env = jnp.arange(e, dtype=jnp.int32)
   steps_i = jnp.arange(t, dtype=jnp.int32)
 
-  # 1. Data: one scatter per leaf, of each row and (positions < L - 1) its mirror.
-  ts = spec.stored_time
+  # 1. Data: one scatter per leaf.
   pos = (head[:, None] + steps_i[None, :]) % cap                       # [E, t]
-  row = env[:, None] * ts + pos
-  flat = jnp.where(mask[:, None], row, e * ts).reshape(-1)
-  if ln > 1:
-    mirror = jnp.where(mask[:, None] & (pos < ln - 1), row + cap, e * ts).reshape(-1)
-    flat = jnp.concatenate([flat, mirror])
+  flat = jnp.where(mask[:, None], env[:, None] * cap + pos, e * cap).reshape(-1)
 
   def write(buf, x):
-    rows = buf.reshape((e * ts,) + buf.shape[2:])
-    x = x.reshape((e * t,) + x.shape[2:])
-    if ln > 1:
-      x = jnp.concatenate([x, x])
-    rows = rows.at[flat].set(x, mode="drop", unique_indices=True)
+    rows = buf.reshape((e * cap,) + buf.shape[2:])
+    rows = rows.at[flat].set(x.reshape((e * t,) + x.shape[2:]), mode="drop",
+                             unique_indices=True)
     return rows.reshape(buf.shape)
   data = jax.tree_util.tree_map(write, state.data, steps)
 

@@ -19,7 +19,7 @@ Three programs, chosen statically:
 
 The positions ``x`` are ``uniform_lean.positions``: without replacement the
 first B entries of a uniformly random permutation (``bits.without_replacement``).
-Every program ends in ``finish``: one gather of ``B`` slices of ``L`` rows per leaf,
+Every program ends in ``finish``: one gather of ``B * L`` rows per leaf,
 ``times_sampled`` and the ``samples`` counter.
 """
 
@@ -161,15 +161,13 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
 
 def gather_windows(spec: TrajectorySpec, state: TrajectoryState, w, valid):
   """Every data leaf's ``[B, L, ...]`` steps of windows ``w`` (int32[B], in range), zero
-  where not ``valid``: one slice of ``L`` contiguous rows per window and leaf (the
-  mirrored positions make wrapped windows contiguous too)."""
+  where not ``valid``: one gather of ``B * L`` rows per leaf."""
   env, start, _ = st.distance(spec, state, w)
-  first = env * spec.stored_time + start
-  ln = spec.sequence_length
+  cap, ln = spec.time_capacity, spec.sequence_length
+  flat = env[:, None] * cap + (start[:, None] + jnp.arange(ln, dtype=jnp.int32)[None, :]) % cap
 
   def rows(x):
-    flat = x.reshape((-1,) + x.shape[2:])
-    got = jax.vmap(lambda i: lax.dynamic_slice_in_dim(flat, i, ln, 0))(first)
+    got = x.reshape((-1,) + x.shape[2:])[flat]
     v = valid.reshape((-1,) + (1,) * (got.ndim - 1))
     return jnp.where(v, got, jnp.zeros((), x.dtype))
   return jax.tree_util.tree_map(rows, state.data)

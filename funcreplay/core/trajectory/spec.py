@@ -113,13 +113,6 @@ class TrajectorySpec:
     return TrajectorySpec(**fields)
 
   @property
-  def stored_time(self) -> int:
-    """``T + L - 1``: the time axis as stored. Positions ``T .. T + L - 2`` mirror
-    ``0 .. L - 2``, so every window is ``L`` contiguous rows (one slice per window
-    in ``sample``, also when it wraps around the ring's end)."""
-    return self.time_capacity + self.sequence_length - 1
-
-  @property
   def windows_per_env(self) -> int:
     """``W = T / period``: window ids per environment (one per start position)."""
     return self.time_capacity // self.period

@@ -36,9 +36,7 @@ class TrajectoryState:
   E envs, T = time_capacity, N = num_windows, P = ``index.tree_size(N)``.
 
   Attributes:
-    data: the step pytree with leading ``[E, T + L - 1]`` axes on every leaf: env
-      ``e``'s ring of ``T`` steps, then copies of its first ``L - 1`` positions
-      (``spec.stored_time``).
+    data: the step pytree with leading ``[E, T]`` axes on every leaf.
     head: int32[E] next ring position written per env.
     filled: int32[E] stored steps per env (saturates at T).
     written: uint32[E] steps ever written per env, modulo 2**32 (window keys).
@@ -83,7 +81,7 @@ def init_state(spec: TrajectorySpec) -> TrajectoryState:
   track = spec.tracks_episodes
   ok_bits, ok_tree = index.empty(n if track else 0)
   return TrajectoryState(
-      data=sig_lib.zeros(spec.signature, (e, spec.stored_time)),
+      data=sig_lib.zeros(spec.signature, (e, spec.time_capacity)),
       head=jnp.zeros((e,), jnp.int32),
       filled=jnp.zeros((e,), jnp.int32),
       written=jnp.zeros((e,), jnp.uint32),
