@@ -58,6 +58,8 @@ _LAZY = {
     "PeriodicCheckpointer": ("funcreplay.checkpoint", "PeriodicCheckpointer"),
     "save": ("funcreplay.checkpoint", "save"),
     "restore": ("funcreplay.checkpoint", "restore"),
+    "save_trajectory": ("funcreplay.checkpoint.trajectory", "save_trajectory"),
+    "restore_trajectory": ("funcreplay.checkpoint.trajectory", "restore_trajectory"),
 }
 
 
@@ -93,5 +95,5 @@ __all__ = [
     "SequenceWriter", "WriterStats", "sequence_signature", "native", "PackedSample",
     "PackedLayout", "PackedField", "clear_caches",
     "TrajectorySpec", "TrajectoryState", "TrajectoryTable", "make_trajectory_table",
-    "n_step_returns", "n_step_target",
+    "n_step_returns", "n_step_target", "save_trajectory", "restore_trajectory",
 ]
