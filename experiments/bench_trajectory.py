@@ -19,7 +19,7 @@ seconds / ours (> 1: ours faster):
 
 Memory: state bytes / payload bytes (payload = 16 * T * 76).
 
-  PYTHONPATH=. python experiments/bench_trajectory.py --rounds=5
+  PYTHONPATH=. python experiments/bench_trajectory.py   # --hlo: operation counts too
   PYTHONPATH=. python experiments/benchmark.py --sections=trajectory
 """
 
@@ -43,9 +43,10 @@ NOTES: list = []
 
 
 def _define_flags():
-  flags.DEFINE_integer("rounds", 5, "round-robin measurements per runner")
+  flags.DEFINE_integer("rounds", 41, "round-robin measurements per runner")
   flags.DEFINE_integer("capacity", 65536, "time capacity per env")
-  flags.DEFINE_float("target_s", 0.2, "seconds per measurement")
+  flags.DEFINE_float("target_s", 0.03, "seconds per measurement (short: fine interleaving "
+                                          "on a shared machine)")
   flags.DEFINE_string("periods", "1,8", "comma-separated periods")
   flags.DEFINE_bool("hlo", False, "print the compiled programs' operation counts")
 
@@ -173,7 +174,7 @@ def measure(periods, cap: int, rounds: int, target_s: float):
 
 def run(small: bool) -> list:
   """The ``trajectory`` section of ``experiments/benchmark.py``."""
-  rows, mems = measure((1, 8), 4096 if small else 65536, 3 if small else 5, 0.15)
+  rows, mems = measure((1, 8), 4096 if small else 65536, 11 if small else 41, 0.03)
   NOTES[:] = [f"trajectory: state bytes / payload bytes by period: {mems}"]
   return rows
 
