@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 from scipy import stats as sstats
 
 import funcreplay as fr
 from tests.trajectory_model import TrajectoryModel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 X = {"x": jnp.zeros((), jnp.int32)}
 P_MIN = 1e-3  # chi-square: a correct sampler fails one fixed-seed test with probability 1e-3
@@ -113,3 +120,48 @@ def test_reuse_limit_per_window_and_where():
   assert int(b.valid.sum()) == 1 and int(b.info.slot[0]) == 0
   with pytest.raises(ValueError, match=r"where must be bool\[num_windows=4\]"):
     table.sample(state, jax.random.key(0), batch_size=2, where=jnp.ones((3,), bool))
+
+
+@settings(max_examples=8)
+@given(prioritized=hst.booleans(), cross=hst.booleans(), staleness=hst.sampled_from([None, 0, 2]),
+       reuse=hst.sampled_from([0, 1, 3]), seed=hst.integers(0, 2**31 - 1))
+def test_masked_draws_match_the_model(prioritized, cross, staleness, reuse, seed):
+  """Staleness (first step's version), reuse counters and episode starts against the
+  reference model, through the general (masked / prioritized) program."""
+  spec = fr.TrajectorySpec(2, 12, 3, 1, X, sampler=fr.Prioritized(1.0) if prioritized else None,
+                           max_times_sampled=reuse, max_staleness=staleness,
+                           cross_episodes=cross)
+  table = fr.make_trajectory_table(spec)
+  add = jax.jit(table.add)
+  sample = jax.jit(table.sample, static_argnames=("batch_size", "replace"))
+  model = TrajectoryModel(spec)
+  state = table.init()
+  rs = np.random.RandomState(seed % 2**32)
+  for v in range(6):
+    payload = (v * 100 + np.arange(6)).reshape(2, 3) + np.array([[0], [1000]])
+    first = None if cross else rs.rand(2, 3) < 0.2
+    state = add(state, {"x": jnp.asarray(payload, jnp.int32)}, version=v,
+                first=None if first is None else jnp.asarray(first))
+    model.add(payload, v, None, first)
+    thr = None if staleness is None else v - staleness
+    want = {w: ea for ea, w in model.windows().items()
+            if (thr is None or model.version[ea[0]][ea[1]] >= thr)
+            and (not reuse or model.times.get(ea, 0) < reuse)}
+    got = np.asarray(table.eligible(state, version=v))
+    assert set(np.flatnonzero(got)) == set(want)
+    state, b = sample(state, jax.random.key(seed % 1000 + v), batch_size=3, version=v)
+    valid = np.asarray(b.valid)
+    assert valid.sum() == min(3, len(want))
+    for i in np.flatnonzero(valid):
+      e, a = want[int(b.info.slot[i])]
+      np.testing.assert_array_equal(np.asarray(b.data["x"][i]), model.data(e, a))
+      model.times[(e, a)] = model.times.get((e, a), 0) + 1
+      assert int(b.info.times_sampled[i]) == model.times[(e, a)]
+      assert b.info.probability[i] == pytest.approx(1 / len(want), rel=1e-5)  # equal priorities
+
+
+def test_bench_trajectory_runs_small():
+  from experiments import bench_trajectory
+  rows, mems = bench_trajectory.measure((8,), 256, 1, 0.001)
+  assert len(rows) == 2 and all(r["ratio"] > 0 for r in rows)
+  assert 1.0 <= mems[8]["ours"] < 1.1 and mems[8]["flashbax"] == pytest.approx(1.0, rel=0.01)
