@@ -14,6 +14,7 @@ from hypothesis import strategies as hst
 from scipy import stats as sstats
 
 import funcreplay as fr
+from funcreplay.core.trajectory import state as tst
 from tests.trajectory_model import TrajectoryModel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -80,6 +81,8 @@ def test_update_priorities_is_key_guarded():
   dup = table.update_priorities(state, jnp.stack([slot[0], slot[0]]), jnp.stack([key[0], key[0]]),
                                 jnp.array([2.0, jnp.nan]))
   assert float(dup.priority[int(slot[0])]) == 0.0
+  for s_ in (state, state2, state3, state4, dup):
+    check_weight_tree(spec, s_)
   # New windows get max_priority (PER's default).
   st5 = table.add(state4, {"x": jnp.zeros((1, 2), jnp.int32)})
   assert float(st5.priority[int(st5.head[0] - 2) // 2]) == 6.0
@@ -149,6 +152,8 @@ def test_masked_draws_match_the_model(prioritized, cross, staleness, reuse, seed
             and (not reuse or model.times.get(ea, 0) < reuse)}
     got = np.asarray(table.eligible(state, version=v))
     assert set(np.flatnonzero(got)) == set(want)
+    if prioritized:
+      check_weight_tree(spec, state)
     state, b = sample(state, jax.random.key(seed % 1000 + v), batch_size=3, version=v)
     valid = np.asarray(b.valid)
     assert valid.sum() == min(3, len(want))
@@ -158,6 +163,18 @@ def test_masked_draws_match_the_model(prioritized, cross, staleness, reuse, seed
       model.times[(e, a)] = model.times.get((e, a), 0) + 1
       assert int(b.info.times_sampled[i]) == model.times[(e, a)]
       assert b.info.probability[i] == pytest.approx(1 / len(want), rel=1e-5)  # equal priorities
+
+
+def check_weight_tree(spec, state):
+  """Leaves = priority**alpha of the sampleable windows, nodes = exact sums, count kept."""
+  ok = np.asarray(tst.valid_windows(spec, state, tst.all_windows(spec)))
+  want = np.where(ok, np.asarray(state.priority) ** spec.sampler.priority_exponent, 0.0)
+  tree = np.asarray(state.weight_tree)
+  p = spec.tree_size
+  np.testing.assert_allclose(tree[p:p + spec.num_windows], want, rtol=1e-6)
+  assert not tree[p + spec.num_windows:].any()
+  np.testing.assert_array_equal(tree[1:p], tree[2:2 * p:2] + tree[3:2 * p:2])
+  assert int(state.positive) == int((want > 0).sum())
 
 
 def test_bench_trajectory_runs_small():

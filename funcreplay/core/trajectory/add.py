@@ -7,12 +7,14 @@ Program (E envs, t static steps, p period, L length, K = ceil(t / p)):
 2. Window starts written in the block (at most ``K`` per env, ring positions
    ``= 0 mod p``) begin a new window in their id: ``version``,
    ``times_sampled`` and (``Prioritized``) ``priority`` reset. O(E K).
-3. With episodes tracked: the windows whose last step is in the block (at
-   most ``K`` per env) become sampleable unless an episode start lies in
+3. The windows whose last step is in the block (at most ``K`` per env)
+   become sampleable unless (episodes tracked) an episode start lies in
    their steps 2..L (found from ``first``'s running last-start index and
    the carried ``since_first``), and the windows restarted in step 2 that do
-   not also complete in the block leave the index: ``index.update`` of
-   ``2 E K`` distinct windows (O(E K log(N / 32))).
+   not also complete in the block stop being sampleable: ``index.update``
+   of ``2 E K`` distinct windows (O(E K log(N / 32))) with episodes tracked,
+   ``prioritized.refresh`` of the weight tree (O(E K log N)) under
+   ``Prioritized``.
 4. ``head``, ``filled``, ``written``, ``since_first`` and the ``steps`` counter.
 
 Everything is elementwise or a gather / scatter of static size: no
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcreplay.core import counters as ctr
-from funcreplay.core.trajectory import index
+from funcreplay.core.trajectory import index, prioritized
 from funcreplay.core.trajectory.spec import TrajectorySpec
 from funcreplay.core.trajectory.state import TrajectoryState
 
@@ -138,36 +140,44 @@ def add(spec: TrajectorySpec, state: TrajectoryState, steps, *, version=0, mask=
                else jnp.float32(spec.default_priority))
     new["priority"] = state.priority.at[w_start_flat].set(default, mode="drop")
 
-  # 3. The index of windows crossing no episode start.
+  # 3. Windows whose last step is in the block: the episode index, the weight tree.
+  if spec.tracks_episodes or spec.prioritized:
+    b_end = ((ln - 1 - head) % p)[:, None] + ks[None, :] * p            # [E, K]
+    b_end_c = jnp.minimum(b_end, t - 1)
+    # Complete: its first step is stored (``filled + b_end + 1 >= L`` steps up to its
+    # last) and not rewritten later in the block (possible only when t > T - L).
+    complete = (mask[:, None] & (b_end < t) & (filled[:, None] + b_end_c + 1 >= ln)
+                & (b_end_c - (ln - 1) + cap >= t))
+    w_end = (env[:, None] * spec.windows_per_env
+             + ((head[:, None] + b_end_c - (ln - 1)) % cap) // p)
+    # A window restarted in the block leaves the indexes unless it completes in it too.
+    leaving = ok_start & (b_start + ln - 1 >= t)
+    slots = jnp.concatenate([w_start.reshape(-1), w_end.reshape(-1)])
+    valid = jnp.concatenate([leaving.reshape(-1), complete.reshape(-1)])
+    ok = jnp.ones((e * k,), bool)
   if spec.tracks_episodes:
     # Block index of the latest episode start at or before each step (-1: none).
     if first is None:
       last = jnp.full((e, t), -1, jnp.int32)
     else:
       last = jax.lax.cummax(jnp.where(first, steps_i[None, :], -1), axis=1)
-    b_end = ((ln - 1 - head) % p)[:, None] + ks[None, :] * p            # [E, K]
-    in_block = b_end < t
-    b_end_c = jnp.minimum(b_end, t - 1)
     last_end = jnp.take_along_axis(last, b_end_c, axis=1)
     # Steps from the latest episode start to the window's last step.
     since = jnp.where(last_end >= 0, b_end_c - last_end, state.since_first[:, None] + b_end_c + 1)
-    # Complete: its first step is stored (``filled + b_end + 1 >= L`` steps up to its
-    # last) and not rewritten later in the block (possible only when t > T - L).
-    complete = (mask[:, None] & in_block & (filled[:, None] + b_end_c + 1 >= ln)
-                & (b_end_c - (ln - 1) + cap >= t))
-    w_end = (env[:, None] * spec.windows_per_env
-             + ((head[:, None] + b_end_c - (ln - 1)) % cap) // p)
-    # A window restarted in the block leaves the index unless it completes in it too.
-    leaving = ok_start & (b_start + ln - 1 >= t)
-    slots = jnp.concatenate([w_start.reshape(-1), w_end.reshape(-1)])
-    values = jnp.concatenate([jnp.zeros((e * k,), bool), (since >= ln - 1).reshape(-1)])
-    valid = jnp.concatenate([leaving.reshape(-1), complete.reshape(-1)])
+    ok = (since >= ln - 1).reshape(-1)
+    values = jnp.concatenate([jnp.zeros((e * k,), bool), ok])
     new["ok_bits"], new["ok_tree"] = index.update(state.ok_bits, state.ok_tree, slots, values,
                                                   valid)
     last_all = last[:, -1]
     since_new = jnp.where(last_all >= 0, t - 1 - last_all,
                           jnp.minimum(state.since_first + t, ln))
     new["since_first"] = jnp.where(mask, jnp.minimum(since_new, ln), state.since_first)
+  if spec.prioritized:
+    w_end_flat = w_end.reshape(-1)
+    weight = jnp.where(ok, prioritized.window_weight(spec, new["priority"][w_end_flat]), 0.0)
+    values = jnp.concatenate([jnp.zeros((e * k,), jnp.float32), weight])
+    new["weight_tree"], new["positive"] = prioritized.refresh(
+        state.weight_tree, state.positive, slots, values, valid)
 
   # 4. Cursors and counters.
   adv = jnp.where(mask, t, 0)

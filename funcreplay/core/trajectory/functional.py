@@ -62,7 +62,10 @@ def make_trajectory_table(spec: TrajectorySpec) -> TrajectoryTable:
     return sample_lib.eligible(spec, state, version=version, where=where)
 
   def count(state, *, version=None, where=None):
-    """int32[]: the number of such windows (O(1) or O(E) without masks, else O(N))."""
+    """int32[]: the number of such windows (O(1) or O(E) without masks, else O(N)); under
+    ``Prioritized`` only windows of positive priority count."""
+    if spec.prioritized and not sample_lib.masked(spec, version=version, where=where):
+      return state.positive
     if spec.prioritized or sample_lib.masked(spec, version=version, where=where):
       ok = sample_lib.eligible(spec, state, version=version, where=where)
       if spec.prioritized:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from funcreplay.core import bits
+from funcreplay.core.trajectory import prioritized
 from funcreplay.core.trajectory import state as st
 from funcreplay.core.trajectory.spec import TrajectorySpec
 from funcreplay.core.trajectory.state import TrajectoryState
@@ -29,7 +30,7 @@ def update_priorities(spec: TrajectorySpec, state: TrajectoryState, slots, keys,
   changed) or is not stored. Negative, NaN or infinite priorities become 0 (the
   window is then not sampled). Duplicate slots: the last row wins.
   ``max_priority`` (the default priority of new windows) follows the largest
-  priority set. O(K log K).
+  priority set; the weight tree follows. O(K log N).
   """
   if not spec.prioritized:
     raise ValueError("update_priorities: the spec's sampler is Uniform; priorities need "
@@ -54,4 +55,7 @@ def update_priorities(spec: TrajectorySpec, state: TrajectoryState, slots, keys,
   pr = jnp.where(jnp.isfinite(priorities) & (priorities > 0), priorities, 0.0)
   priority = state.priority.at[jnp.where(ok, w, n)].set(pr, mode="drop")
   max_priority = jnp.maximum(state.max_priority, jnp.max(jnp.where(ok, pr, 0.0)))
-  return state.replace(priority=priority, max_priority=max_priority)
+  tree, positive = prioritized.refresh(state.weight_tree, state.positive, w,
+                                       prioritized.window_weight(spec, pr), ok)
+  return state.replace(priority=priority, max_priority=max_priority, weight_tree=tree,
+                       positive=positive)

@@ -10,7 +10,10 @@ Three programs, chosen statically:
 * **Lean uniform, index** (``Uniform``, episodes tracked, no mask): the
   ``x``-th set bit of the window bitmask (``index.kth``: a descent of the
   count tree over its words, then a popcount select), O(B log(N / 32)).
-* **General** (a ``Prioritized`` sampler or any mask): the eligibility mask
+* **Lean prioritized** (``Prioritized``, no mask): ``prioritized.draw``, M
+  descents of the weight tree ``add`` and ``update_priorities`` keep,
+  O(M log N) (an O(N) exact completion only when the draws repeat too much).
+* **General** (any mask): the eligibility mask
   over the ``N`` windows, then an exact draw: uniform by the ``x``-th
   eligible window of a count tree built over it, prioritized without
   replacement by Gumbel-top-k over ``log w`` (exactly successive sampling
@@ -33,7 +36,7 @@ from funcreplay.core import bits, numerics, staleness, trees
 from funcreplay.core import counters as ctr
 from funcreplay.core.sampling.uniform_lean import kth_occupied, positions
 from funcreplay.core.state import Sample, SampleInfo
-from funcreplay.core.trajectory import index
+from funcreplay.core.trajectory import index, prioritized
 from funcreplay.core.trajectory import state as st
 from funcreplay.core.trajectory.spec import TrajectorySpec
 from funcreplay.core.trajectory.state import TrajectoryState
@@ -67,10 +70,7 @@ def eligible(spec: TrajectorySpec, state: TrajectoryState, *, version=None, wher
 
 def weights(spec: TrajectorySpec, state: TrajectoryState, ok):
   """float32[N]: ``priority**alpha`` where ``ok`` and the priority is positive, else 0."""
-  alpha = spec.sampler.priority_exponent
-  pr = state.priority
-  w = jnp.where(pr > 0, jnp.power(jnp.maximum(pr, numerics.TINY), alpha), 0.0)
-  return jnp.where(ok, w, 0.0).astype(jnp.float32)
+  return jnp.where(ok, prioritized.window_weight(spec, state.priority), 0.0)
 
 
 def _padded(x, size: int):
@@ -141,7 +141,9 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
   if isinstance(b, bool) or not isinstance(b, int) or b < 1:
     raise ValueError(f"sample: batch_size must be a static int >= 1, got {b!r}.")
   prob = None
-  if spec.prioritized:
+  if spec.prioritized and not masked(spec, version=version, where=where):
+    w, valid, n, prob = prioritized.draw(spec, state, rng, b, replace)
+  elif spec.prioritized:
     ok = eligible(spec, state, version=version, where=where)
     w, valid, n, prob = _prioritized(spec, state, rng, b, replace, ok)
   elif masked(spec, version=version, where=where):

@@ -50,6 +50,9 @@ class TrajectoryState:
     version: int32[N] version of the window's first step.
     times_sampled: int32[N] samples of the window since its first step was written.
     priority: float32[N] (``Prioritized`` only; shape [0] otherwise).
+    weight_tree: float32[2P'] sum tree of the sampleable windows' ``priority**alpha``
+      (``Prioritized`` only, P' = ``spec.tree_size``; shape [0] otherwise).
+    positive: int32[] its positive leaves: the eligible windows (0 under ``Uniform``).
     max_priority: float32[] largest priority set so far (1.0 on a fresh table).
     counters: uint32[2, 2] two-word counters, rows ``COUNTERS``.
   """
@@ -64,6 +67,8 @@ class TrajectoryState:
   version: jnp.ndarray
   times_sampled: jnp.ndarray
   priority: jnp.ndarray
+  weight_tree: jnp.ndarray
+  positive: jnp.ndarray
   max_priority: jnp.ndarray
   counters: jnp.ndarray
 
@@ -91,6 +96,8 @@ def init_state(spec: TrajectorySpec) -> TrajectoryState:
       version=jnp.zeros((n,), jnp.int32),
       times_sampled=jnp.zeros((n,), jnp.int32),
       priority=jnp.zeros((n if spec.prioritized else 0,), jnp.float32),
+      weight_tree=jnp.zeros((2 * spec.tree_size if spec.prioritized else 0,), jnp.float32),
+      positive=jnp.zeros((), jnp.int32),
       max_priority=jnp.ones((), jnp.float32),
       counters=jnp.zeros((len(COUNTERS), 2), jnp.uint32),
   )
