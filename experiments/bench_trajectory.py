@@ -15,7 +15,10 @@ seconds / ours (> 1: ours faster):
 * ``ours episodes``: ``cross_episodes=False`` with ``first=`` passed every step
   (the default: windows never cross an episode start; the index-tree draw);
 * flashbax: ``make_trajectory_buffer`` (with replacement; it has no
-  without-replacement mode, no per-env masks and no episode tracking).
+  without-replacement mode, no per-env masks and no episode tracking);
+* prioritized (``--prioritized``): the same plus a priority write-back of the
+  64 windows per step, ours ``Prioritized(0.6)`` without replacement against
+  ``make_prioritised_trajectory_buffer`` (with replacement).
 
 Memory: state bytes / payload bytes (payload = 16 * T * 76).
 
@@ -49,6 +52,7 @@ def _define_flags():
                                           "on a shared machine)")
   flags.DEFINE_string("periods", "1,8", "comma-separated periods")
   flags.DEFINE_bool("hlo", False, "print the compiled programs' operation counts")
+  flags.DEFINE_bool("prioritized", True, "also the prioritized case (add + sample + update)")
 
 
 def step_example():
@@ -133,6 +137,53 @@ def runners_for(period: int, cap: int, target_s: float):
   return out, mem
 
 
+def prioritized_runners(period: int, cap: int, target_s: float):
+  """Add ``[16, 1]`` + sample 64 windows + priority write-back (``|reward[0]| + 0.01``) per
+  scan step: ours (``Prioritized(0.6)``, ``cross_episodes=True``, without replacement)
+  against flashbax's ``make_prioritised_trajectory_buffer`` (with replacement)."""
+  import flashbax as fbx
+  xs = _xs()
+  out = {}
+  spec = fr.TrajectorySpec(ENVS, cap, LENGTH, period, step_example(),
+                           sampler=fr.Prioritized(0.6), cross_episodes=True)
+  table = fr.make_trajectory_table(spec)
+
+  def fn(s, i0, xs):
+    def body(c, x):
+      s, acc, v = c
+      s = table.add(s, x)
+      s, smp = table.sample(s, jax.random.PRNGKey(v), batch_size=BATCH)
+      s = table.update_priorities(s, smp.info.slot, smp.info.key,
+                                  jnp.abs(smp.data["reward"][:, 0]) + 0.01)
+      return (s, acc + _use((smp.data, smp.info.probability)), v + 1), None
+    (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
+    return s, acc
+  out[f"ours prio p{period}"] = _Holder(_fill_ours(table, cap, False)).runner(
+      jax.jit(fn, donate_argnums=0), xs, target_s=target_s)
+  buf = fbx.make_prioritised_trajectory_buffer(
+      add_batch_size=ENVS, sample_batch_size=BATCH, sample_sequence_length=LENGTH, period=period,
+      min_length_time_axis=LENGTH, max_length_time_axis=cap, priority_exponent=0.6, device="cpu")
+  add = jax.jit(buf.add, donate_argnums=0)
+  block = min(cap, 4096)
+  chunk = jax.device_put(steps(block))
+  s = buf.init(jax.tree_util.tree_map(lambda x: x[0, 0], chunk))
+  for _ in range(cap // block + 1):
+    s = add(s, chunk)
+
+  def ffn(s, i0, xs):
+    def body(c, x):
+      s, acc, v = c
+      s = buf.add(s, x)
+      smp = buf.sample(s, jax.random.PRNGKey(v))
+      s = buf.set_priorities(s, smp.indices, jnp.abs(smp.experience["reward"][:, 0]) + 0.01)
+      return (s, acc + _use((smp.experience, smp.probabilities)), v + 1), None
+    (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
+    return s, acc
+  out[f"flashbax prio p{period}"] = _Holder(s).runner(jax.jit(ffn, donate_argnums=0), xs,
+                                                      target_s=target_s)
+  return out
+
+
 def hlo_counts(period: int, cap: int):
   import flashbax as fbx
   spec = fr.TrajectorySpec(ENVS, cap, LENGTH, period, step_example(), cross_episodes=True)
@@ -154,13 +205,21 @@ def hlo_counts(period: int, cap: int):
   }
 
 
-def measure(periods, cap: int, rounds: int, target_s: float):
+def measure(periods, cap: int, rounds: int, target_s: float, prioritized: bool = True):
   """Rows (``benchmark.ROW_KEYS``) and the memory table."""
   rows, mems = [], {}
   payload = ENVS * cap * 76
   for p in periods:
     runners, mem = runners_for(p, cap, target_s)
+    if prioritized:
+      runners.update(prioritized_runners(p, cap, target_s))
     secs = _measure(runners, rounds)
+    if prioritized:
+      peer, ours = secs[f"flashbax prio p{p}"], secs[f"ours prio p{p}"]
+      rows.append(dict(
+          section="trajectory", case=f"scan add+prioritized sample 64xL{LENGTH}+update p{p}",
+          funcreplay=STEPS / ours, peer=STEPS / peer, peer_name="flashbax prioritised trajectory",
+          unit="steps/s", ratio=peer / ours))
     mems[p] = {k: v / payload for k, v in mem.items()}
     peer = secs[f"flashbax p{p}"]
     for name in ("ours", "ours episodes"):
@@ -188,7 +247,7 @@ def main(_):
     for p in periods:
       for k, v in hlo_counts(p, F.capacity).items():
         print(f"p{p} {k:<22} {v}")
-  rows, mems = measure(periods, F.capacity, F.rounds, F.target_s)
+  rows, mems = measure(periods, F.capacity, F.rounds, F.target_s, F.prioritized)
   print(f"{'case':<52} {'ours steps/s':>13} {'flashbax':>11} {'ratio':>7}")
   for r in rows:
     print(f"{r['case']:<52} {r['funcreplay']:>13.0f} {r['peer']:>11.0f} {r['ratio']:>7.2f}")
