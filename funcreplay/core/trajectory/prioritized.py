@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import bits, numerics, trees
+from funcreplay.core import bits, inplace, numerics, trees
 from funcreplay.core.sampling.prioritized_lean import first_distinct
 from funcreplay.core.trajectory.spec import TrajectorySpec
 from funcreplay.core.trajectory.state import TrajectoryState
@@ -42,10 +42,18 @@ def window_weight(spec: TrajectorySpec, priority):
 def refresh(tree, positive, w, values, valid):
   """Set leaves ``w`` (int32[K], distinct where ``valid``) to ``values``; returns
   ``(tree, positive)`` with the count of positive leaves kept in step."""
-  old = trees.leaf_values(tree, jnp.where(valid, w, 0))
+  if w.shape[0] == 1:
+    # One slot would turn the per-level updates into dynamic slices, which XLA re-fuses
+    # into several reads and then copies the whole tree (as ``indexes.refresh``).
+    w, values, valid = (jnp.concatenate([x, x]) for x in (w, values, valid))
+    valid = valid.at[1].set(False)
+  safe = jnp.where(valid, w, 0)
+  old = trees.leaf_values(tree, safe)
   positive = positive + jnp.sum(valid & (values > 0), dtype=jnp.int32) \
       - jnp.sum(valid & (old > 0), dtype=jnp.int32)
-  return trees.refresh_sum(tree, jnp.where(valid, w, 0), values, valid), positive
+  # The tree update below writes in place: order the read of the old leaves before it.
+  tree = inplace.tie(tree, inplace.never(old))
+  return trees.refresh_sum(tree, safe, values, valid), positive
 
 
 def _complete(spec, key, weights, picked, n):
@@ -64,7 +72,9 @@ def _complete(spec, key, weights, picked, n):
 def draw(spec: TrajectorySpec, state: TrajectoryState, rng, b: int, replace: bool):
   """``(w int32[b] in range, valid bool[b], num_eligible, probability float32[b])``."""
   tree = state.weight_tree
-  total = tree[1]
+  # Read once (a slice is re-fused into each consumer, and each copy would be a read that
+  # ``sample``'s ordering flag does not cover; see ``inplace.once``).
+  total = inplace.once(tree[1])
   m = b if replace else b + max(8, b // 2)
   hi, _ = bits.words(rng, m)
   u = (hi >> 8).astype(jnp.float32) * jnp.float32(_U24)

@@ -28,11 +28,13 @@ Every program ends in ``finish``: one gather of ``B * L`` rows per leaf,
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import bits, numerics, staleness, trees
+from funcreplay.core import bits, inplace, numerics, staleness, trees
 from funcreplay.core import counters as ctr
 from funcreplay.core.sampling.uniform_lean import kth_occupied, positions
 from funcreplay.core.state import Sample, SampleInfo
@@ -158,7 +160,16 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
     w, valid, n = _closed_form(spec, state, rng, b, replace)
   if prob is None:
     prob = jnp.full((b,), 1.0, jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)
-  return finish(spec, state, jnp.where(valid, w, 0), valid, prob, n)
+  state, out = finish(spec, state, jnp.where(valid, w, 0), valid, prob, n)
+  if spec.prioritized:
+    # ``info.slot`` computed from every read of ``priority`` and the weight tree (through
+    # the probabilities): a following ``update_priorities(info.slot, ...)`` in the same
+    # program is then ordered after them and writes in place (XLA would copy both).
+    flag = jnp.sum(lax.bitcast_convert_type(out.info.priority + out.info.probability,
+                                            jnp.uint32), dtype=jnp.uint32)
+    info = dataclasses.replace(out.info, slot=inplace.after(out.info.slot, flag))
+    out = dataclasses.replace(out, info=info)
+  return state, out
 
 
 def gather_windows(spec: TrajectorySpec, state: TrajectoryState, w, valid):
