@@ -17,6 +17,7 @@ from hypothesis import strategies as hst
 from scipy import stats as sstats
 
 import funcreplay as fr
+from funcreplay.core.trajectory import rows
 from tests.trajectory_model import TrajectoryModel
 
 STEP = {"x": jax.ShapeDtypeStruct((), jnp.int32), "y": jax.ShapeDtypeStruct((2,), jnp.float32)}
@@ -185,7 +186,9 @@ def test_jit_scan_vmap():
     return jax.lax.scan(body, table.init(), jax.random.split(key, 20))
 
   states, n = jax.jit(jax.vmap(run))(jax.random.split(jax.random.key(0), 3))
-  assert states.head.shape == (3, 4) and states.data["y"].shape == (3, 4, 32, 2)
+  assert states.head.shape == (3, 4) and states.data.shape == (3, 4, 32, 3)  # packed rows
+  y = rows.unpack(spec, states.data, 3)["y"]
+  assert y.shape == (3, 4, 32, 2) and y.dtype == jnp.float32
   assert n.shape == (3, 20) and int(n[0, -1]) == 3
   assert int(states.counters[0, 0, 1]) == 4 * 2 * 20  # steps counter, low word
 

@@ -2,7 +2,8 @@
 
 Program (E envs, t static steps, p period, L length, K = ceil(t / p)):
 
-1. Every data leaf: one scatter of the ``E * t`` rows at flat positions
+1. Every storage leaf (``rows``: the step's leaves, or one row of words): one
+   scatter of the ``E * t`` rows at flat positions
    ``env * T + (head + i) mod T`` (masked envs drop theirs).
 2. Window starts written in the block (at most ``K`` per env, ring positions
    ``= 0 mod p``) begin a new window in their id: ``version``,
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcreplay.core import counters as ctr
-from funcreplay.core.trajectory import index, prioritized
+from funcreplay.core.trajectory import index, prioritized, rows
 from funcreplay.core.trajectory.spec import TrajectorySpec
 from funcreplay.core.trajectory.state import TrajectoryState
 
@@ -119,11 +120,11 @@ def add(spec: TrajectorySpec, state: TrajectoryState, steps, *, version=0, mask=
   flat = jnp.where(mask[:, None], env[:, None] * cap + pos, e * cap).reshape(-1)
 
   def write(buf, x):
-    rows = buf.reshape((e * cap,) + buf.shape[2:])
-    rows = rows.at[flat].set(x.reshape((e * t,) + x.shape[2:]), mode="drop",
-                             unique_indices=True)
-    return rows.reshape(buf.shape)
-  data = jax.tree_util.tree_map(write, state.data, steps)
+    flat_buf = buf.reshape((e * cap,) + buf.shape[2:])
+    flat_buf = flat_buf.at[flat].set(x.reshape((e * t,) + x.shape[2:]), mode="drop",
+                                     unique_indices=True)
+    return flat_buf.reshape(buf.shape)
+  data = jax.tree_util.tree_map(write, state.data, rows.pack(spec, steps, 2))
 
   # 2. Window starts in the block: block index b = ((-head) mod p) + k p.
   k = (t + p - 1) // p

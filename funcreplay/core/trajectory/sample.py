@@ -38,7 +38,7 @@ from funcreplay.core import bits, inplace, numerics, staleness, trees
 from funcreplay.core import counters as ctr
 from funcreplay.core.sampling.uniform_lean import kth_occupied, positions
 from funcreplay.core.state import Sample, SampleInfo
-from funcreplay.core.trajectory import index, prioritized
+from funcreplay.core.trajectory import index, prioritized, rows
 from funcreplay.core.trajectory import state as st
 from funcreplay.core.trajectory.spec import TrajectorySpec
 from funcreplay.core.trajectory.state import TrajectoryState
@@ -174,16 +174,16 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
 
 def gather_windows(spec: TrajectorySpec, state: TrajectoryState, w, valid):
   """Every data leaf's ``[B, L, ...]`` steps of windows ``w`` (int32[B], in range), zero
-  where not ``valid``: one gather of ``B * L`` rows per leaf."""
+  where not ``valid``: one gather of ``B * L`` rows per storage leaf (``rows``)."""
   env, start, _ = st.distance(spec, state, w)
   cap, ln = spec.time_capacity, spec.sequence_length
   flat = env[:, None] * cap + (start[:, None] + jnp.arange(ln, dtype=jnp.int32)[None, :]) % cap
 
-  def rows(x):
+  def take(x):
     got = x.reshape((-1,) + x.shape[2:])[flat]
     v = valid.reshape((-1,) + (1,) * (got.ndim - 1))
     return jnp.where(v, got, jnp.zeros((), x.dtype))
-  return jax.tree_util.tree_map(rows, state.data)
+  return rows.unpack(spec, jax.tree_util.tree_map(take, state.data), 2)
 
 
 def finish(spec: TrajectorySpec, state: TrajectoryState, w, valid, prob, n):

@@ -19,9 +19,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import signature as sig_lib
 from funcreplay.core.state import register_dataclass
-from funcreplay.core.trajectory import index
+from funcreplay.core.trajectory import index, rows
 from funcreplay.core.trajectory.spec import TrajectorySpec
 
 COUNTERS = ("steps", "samples")
@@ -36,7 +35,10 @@ class TrajectoryState:
   E envs, T = time_capacity, N = num_windows, P = ``index.tree_size(N)``.
 
   Attributes:
-    data: the step pytree with leading ``[E, T]`` axes on every leaf.
+    data: the step storage: the step pytree with leading ``[E, T]`` axes on every
+      leaf or, when every leaf is 4 bytes wide (``rows.packed``), one
+      ``uint32[E, T, R]`` array of each step's leaves as words
+      (``rows.unpack(spec, data, 2)`` gives the pytree back).
     head: int32[E] next ring position written per env.
     filled: int32[E] stored steps per env (saturates at T).
     written: uint32[E] steps ever written per env, modulo 2**32 (window keys).
@@ -86,7 +88,7 @@ def init_state(spec: TrajectorySpec) -> TrajectoryState:
   track = spec.tracks_episodes
   ok_bits, ok_tree = index.empty(n if track else 0)
   return TrajectoryState(
-      data=sig_lib.zeros(spec.signature, (e, spec.time_capacity)),
+      data=rows.empty(spec, (e, spec.time_capacity)),
       head=jnp.zeros((e,), jnp.int32),
       filled=jnp.zeros((e,), jnp.int32),
       written=jnp.zeros((e,), jnp.uint32),
