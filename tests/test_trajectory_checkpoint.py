@@ -18,6 +18,7 @@ STEP = {"x": jnp.zeros((2,), jnp.float32), "a": jnp.zeros((), jnp.int32)}
 def test_round_trip_is_bit_exact_and_samples_the_same(tmp_path):
   spec = fr.TrajectorySpec(3, 24, 4, 2, STEP, sampler=fr.Prioritized(0.5))
   t = fr.make_trajectory_table(spec)
+  t = t._replace(sample=jax.jit(t.sample, static_argnames=("batch_size",)))
   s = t.add(t.init(), {"x": jnp.ones((3, 20, 2)), "a": jnp.arange(60).reshape(3, 20)},
             version=7, first=jnp.zeros((3, 20), bool).at[1, 5].set(True))
   s, b = t.sample(s, jax.random.key(0), batch_size=4)

@@ -23,8 +23,16 @@ X = {"x": jnp.zeros((), jnp.int32)}
 P_MIN = 1e-3  # chi-square: a correct sampler fails one fixed-seed test with probability 1e-3
 
 
+def jitted(spec):
+  """The table's functions, jitted (eager calls compile every primitive on its own)."""
+  t = fr.make_trajectory_table(spec)
+  return t._replace(add=jax.jit(t.add), update_priorities=jax.jit(t.update_priorities),
+                    sample=jax.jit(t.sample, static_argnames=("batch_size", "replace")),
+                    eligible=jax.jit(t.eligible), count=jax.jit(t.count))
+
+
 def filled(spec, n_steps, version=0):
-  table = fr.make_trajectory_table(spec)
+  table = jitted(spec)
   payload = jnp.arange(spec.num_envs * n_steps, dtype=jnp.int32).reshape(spec.num_envs, n_steps)
   return table, table.add(table.init(), {"x": payload}, version=version)
 
@@ -90,7 +98,7 @@ def test_update_priorities_is_key_guarded():
 
 def test_staleness_by_first_step_version():
   spec = fr.TrajectorySpec(1, 16, 3, 1, X, max_staleness=1)
-  table = fr.make_trajectory_table(spec)
+  table = jitted(spec)
   model = TrajectoryModel(spec)
   state = table.init()
   for v in range(4):
