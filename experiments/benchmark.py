@@ -38,7 +38,7 @@ for _p in (HERE, ROOT):  # section modules import as ``bench_<name>``; they impo
   if _p not in sys.path:
     sys.path.insert(0, _p)
 
-SECTIONS = ("core", "host", "torch", "checkpoint", "sharding")
+SECTIONS = ("core", "host", "torch", "checkpoint", "sharding", "trajectory")
 ROW_KEYS = ("section", "case", "funcreplay", "peer", "peer_name", "unit", "ratio")
 _VERSIONED = ("jax", "jaxlib", "numpy", "torch", "flashbax", "cpprb", "torchrl", "tensordict",
               "dm-reverb")

@@ -36,6 +36,14 @@ from funcreplay.core.selectors import (
 from funcreplay.core.signature import Signature, check_items
 from funcreplay.core.spec import TableSpec, queue, stack
 from funcreplay.core.state import Sample, SampleInfo, TableState, state_counters
+from funcreplay.core.trajectory import (
+  TrajectorySpec,
+  TrajectoryState,
+  TrajectoryTable,
+  make_trajectory_table,
+  n_step_returns,
+  n_step_target,
+)
 from funcreplay.core.version import VERSION as __version__  # noqa: F401 (public)
 
 # Public name -> (module, attribute; None: the module itself), imported on first use.
@@ -64,6 +72,8 @@ _LAZY = {
     "RaggedBatch": ("funcreplay.host.rollout.batch", "RaggedBatch"),
     "Receipt": ("funcreplay.host.rollout.mixin", "Receipt"),
     "GroupWriter": ("funcreplay.host.rollout.group_writer", "GroupWriter"),
+    "save_trajectory": ("funcreplay.checkpoint.trajectory", "save_trajectory"),
+    "restore_trajectory": ("funcreplay.checkpoint.trajectory", "restore_trajectory"),
 }
 
 
@@ -100,4 +110,6 @@ __all__ = [
     "PackedLayout", "PackedField", "clear_caches",
     "Column", "Ragged", "StalestFirst", "FreshestFirst", "HostSample", "RaggedBatch", "Receipt",
     "GroupWriter",
+    "TrajectorySpec", "TrajectoryState", "TrajectoryTable", "make_trajectory_table",
+    "n_step_returns", "n_step_target", "save_trajectory", "restore_trajectory",
 ]

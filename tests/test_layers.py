@@ -29,6 +29,7 @@ LAYERS = {
     "funcreplay.core.ops": 2,
     "funcreplay.core.sampling": 3,
     "funcreplay.core.functional": 4,
+    "funcreplay.core.trajectory": 4,  # trajectory tables: the core's base modules + sampling
     "funcreplay.native": 5,
     "funcreplay.host": 6,
     "funcreplay.distributed": 7,

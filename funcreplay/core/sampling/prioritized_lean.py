@@ -54,7 +54,7 @@ def applies(spec: TableSpec, *, version=None, where=None) -> bool:
           and (version is None or spec.max_staleness is None))
 
 
-def _first_b(d, b: int, n_max: int):
+def first_distinct(d, b: int, n_max: int):
   """``(picked int32[b], n)``: the first ``b`` distinct values of ``d`` (int32[M] in
   ``[0, n_max)``) in order (-1 padded)."""
   m = d.shape[0]
@@ -99,7 +99,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   if replace:
     picked = jnp.where(alive, d, -1)
   else:
-    picked, n = _first_b(d, b, spec.tree_size)
+    picked, n = first_distinct(d, b, spec.tree_size)
     picked = jnp.where(alive, picked, -1)
 
     def complete(p):

@@ -108,11 +108,38 @@ def kth_occupied(tree, k, occupied=None):
   leaves), the last ``_LEAF_LEVELS`` levels count its bytes instead of reading the
   tree. ``k`` (int32[B]) must be below the number of occupied slots.
   """
+  if occupied is None:
+    return kth_with_rank(tree, k)[0]
+  p = tree.shape[0] // 2
+  leaf_levels = min(_LEAF_LEVELS, trees.depth(p))
+  node, k = _descend(tree, k, leaf_levels)
+  w, cap = 1 << leaf_levels, occupied.shape[0]
+  first = (node - (p >> leaf_levels)) * w  # the first slot under ``node``
+
+  def count(j):
+    s = first + j
+    if cap < p:  # the tree's leaves past the capacity are empty; the column ends at C
+      return jnp.where(s < cap, occupied[jnp.minimum(s, cap - 1)], False).astype(jnp.int32)
+    return occupied[s].astype(jnp.int32)
+
+  k, idx = _take_child(k, [count(j) for j in range(w)])
+  return first + idx
+
+
+def kth_with_rank(tree, k):
+  """``(leaf, rank)``: the leaf of count ``tree`` holding the ``k``-th (0-based) counted
+  unit and that unit's rank within the leaf (``kth_occupied``'s descent; leaves may
+  count more than one, e.g. the set bits of a block of a bitmask)."""
+  node, k = _descend(tree, k, 0)
+  return node - tree.shape[0] // 2, k
+
+
+def _descend(tree, k, leaf_levels: int):
+  """``(node, k)``: descend count ``tree`` from the root, stopping ``leaf_levels`` above
+  the leaves; ``node`` is the tree index reached, ``k`` the rank within it."""
   p = tree.shape[0] // 2
   node = jnp.ones(k.shape, jnp.int32)
-  left = trees.depth(p)
-  leaf_levels = 0 if occupied is None else min(_LEAF_LEVELS, left)
-  left -= leaf_levels
+  left = trees.depth(p) - leaf_levels
   # The upper levels (depth <= _TOP_DEPTH) are read from a copy of their nodes: see
   # _TOP_DEPTH. The copy is O(2**_TOP_DEPTH), independent of the capacity.
   top_depth = min(left, _TOP_DEPTH)
@@ -130,19 +157,7 @@ def kth_occupied(tree, k, occupied=None):
       # Materialized together: the next step would otherwise recompute this one
       # (and all before it) in each of its reads (``materialize``).
       node, k = materialize(jnp.concatenate([node, k])).reshape(2, -1)
-  if not leaf_levels:
-    return node - p
-  w, cap = 1 << leaf_levels, occupied.shape[0]
-  first = (node - (p >> leaf_levels)) * w  # the first slot under ``node``
-
-  def count(j):
-    s = first + j
-    if cap < p:  # the tree's leaves past the capacity are empty; the column ends at C
-      return jnp.where(s < cap, occupied[jnp.minimum(s, cap - 1)], False).astype(jnp.int32)
-    return occupied[s].astype(jnp.int32)
-
-  k, idx = _take_child(k, [count(j) for j in range(w)])
-  return first + idx
+  return node, k
 
 
 def gather_rows(state: TableState, slot, valid):
