@@ -220,12 +220,7 @@ def test_samples_in_place_only_where_it_applies():
   assert not fr.Table(fr.TableSpec(8, item, sampler=fr.Fifo())).samples_in_place
   assert not fr.Table(fr.TableSpec(8, item, sampler=fr.Prioritized(0.6),
                                    max_staleness=1)).samples_in_place
-  previous = fr.native.default()
-  fr.native.set_default(False)
-  try:
-    portable = fr.Table(fr.TableSpec(8, item))
-  finally:
-    fr.native.set_default(previous)
+  portable = fr.Table(fr.TableSpec(8, item), native=False)
   assert not portable.samples_in_place
   # Not in place: out still receives the batch (a copy of the jitted one).
   portable.insert(_batch(8, 0))

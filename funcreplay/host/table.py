@@ -129,14 +129,16 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
     table.update_priorities(smp.info.slot, smp.info.key, new_priorities)
   """
 
-  def __init__(self, spec: TableSpec, *, seed: int = 0, version: int = 0):
+  def __init__(self, spec: TableSpec, *, seed: int = 0, version: int = 0,
+               native: Optional[bool] = None):
     if not isinstance(spec, TableSpec):
       raise TypeError(f"Table expects a TableSpec, got {type(spec).__name__}.")
-    self._init(spec, None, jax.random.PRNGKey(_check_int(seed, "seed", 0, 2**32 - 1)), version)
+    self._init(spec, None, jax.random.PRNGKey(_check_int(seed, "seed", 0, 2**32 - 1)), version,
+               _ops_for(spec, native))
 
-  def _init(self, spec, state, rng, version):
+  def _init(self, spec, state, rng, version, ops_):
     self.spec = spec
-    self._ops = _ops_for(spec)
+    self._ops = ops_
     self._state = self._ops.init() if state is None else state
     self._rng = rng
     self._version = _check_int(version, "version")
@@ -157,7 +159,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
   # -- construction from a state (restore) ----------------------------------------
   @classmethod
   def from_state(cls, spec: TableSpec, state: TableState, *, seed: int = 0, version: int = 0,
-                 rng=None, check: bool = True) -> "Table":
+                 rng=None, check: bool = True, native: Optional[bool] = None) -> "Table":
     """A ``Table`` owning a *copy* of ``state`` (used by checkpoint restore).
 
     Args:
@@ -200,9 +202,9 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
         raise ValueError(f"Table.from_state: rng must be a uint32[2] key, got "
                          f"{r.dtype.name}{list(r.shape)}.")
       rng = jnp.asarray(r)
-    ops_ = _ops_for(spec)
+    ops_ = _ops_for(spec, native)
     table = cls.__new__(cls)
-    table._init(spec, ops_.copy(jax.tree_util.tree_map(jnp.asarray, state)), rng, version)
+    table._init(spec, ops_.copy(jax.tree_util.tree_map(jnp.asarray, state)), rng, version, ops_)
     return table
 
   # -- properties -------------------------------------------------------------
