@@ -391,7 +391,8 @@ def test_count_tree_refresh_equals_rebuild(capacity, updates):
 @given(st.integers(1, 300), st.lists(st.tuples(st.integers(0, 299), st.floats(0, 10, width=32)),
                                      min_size=1, max_size=6), st.integers(0, 2**16))
 def test_sum_tree_block_refresh_is_bit_identical(capacity, updates, seed):
-  """Few updates recompute 4 levels per step; many go level by level: same bits."""
+  """Few updates recompute 4 levels per step, many 2: the same bits, and those of a
+  tree built from scratch (every node fl(left + right) of its children)."""
   from funcreplay.core import trees
   p = 1 << max(0, (capacity - 1).bit_length())
   leaves = np.random.default_rng(seed).random(p).astype(np.float32)
@@ -402,13 +403,33 @@ def test_sum_tree_block_refresh_is_bit_identical(capacity, updates, seed):
   keep = np.zeros(len(slots), bool)
   keep[len(slots) - 1 - last] = True
   few = trees.refresh_sum(tree, jnp.asarray(slots), jnp.asarray(values), jnp.asarray(keep))
-  pad = 200 - len(slots)  # > 128 entries: the level-by-level path
+  pad = 200 - len(slots)  # > 128 entries: the other block size
   many = trees.refresh_sum(tree, jnp.asarray(np.r_[slots, np.zeros(pad, np.int32)]),
                            jnp.asarray(np.r_[values, np.zeros(pad, np.float32)]),
                            jnp.asarray(np.r_[keep, np.zeros(pad, bool)]))
   np.testing.assert_array_equal(np.asarray(few).view(np.uint32), np.asarray(many).view(np.uint32))
   leaves[slots[keep]] = values[keep]
+  np.testing.assert_array_equal(np.asarray(few).view(np.uint32),
+                                np.asarray(trees.build_sum(jnp.asarray(leaves))).view(np.uint32))
   np.testing.assert_allclose(np.asarray(few[1]), leaves.astype(np.float64).sum(), rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 12), st.floats(0, 1), st.integers(0, 2**16))
+def test_blocked_weight_descent_is_the_binary_descent(log_p, zero_frac, seed):
+  """``descend_weight_blocked`` (2 levels per step) takes the binary descent's path, bit
+  for bit, zero-weight leaves and targets at the interval ends included."""
+  from funcreplay.core import inplace, trees
+  rng = np.random.default_rng(seed)
+  p = 1 << log_p
+  leaves = (rng.random(p) * (rng.random(p) >= zero_frac)).astype(np.float32)
+  leaves[rng.integers(p)] = 1.0
+  tree = trees.build_sum(jnp.asarray(leaves))
+  u = np.r_[rng.random(61), 0.0, 1.0 - 2**-24].astype(np.float32) * np.asarray(tree[1])
+  want = trees.descend_weight(tree, jnp.asarray(u))
+  for levels in (1, 2, 3):
+    got = trees.descend_weight_blocked(tree, jnp.asarray(u), inplace.materialize, levels)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_sample_enabled_false_changes_nothing():

@@ -60,13 +60,19 @@ def test_words_are_jax_random_bits(n):
 
 def test_kth_occupied_equals_the_binary_descent():
   rng = np.random.default_rng(4)
-  for p in (1, 2, 8, 64, 1024):
-    occ = rng.random(p) < rng.random()
-    occ[rng.integers(p)] = True
-    tree = trees.build_sum(jnp.asarray(occ.astype(np.int32)))
-    k = jnp.asarray(rng.integers(0, occ.sum(), 40).astype(np.int32))
-    got = np.asarray(lean_uniform.kth_occupied(tree, k))
-    np.testing.assert_array_equal(got, np.flatnonzero(occ)[np.asarray(k)])
+  for p in (1, 2, 8, 64, 1024, 1 << 13):
+    # Capacities below the tree size P too: the slots past C stay empty.
+    for cap in sorted({p, max(1, p - 3), p // 2 + 1}):
+      occ = np.zeros(p, bool)
+      occ[:cap] = rng.random(cap) < rng.random()
+      occ[rng.integers(cap)] = True
+      tree = trees.build_sum(jnp.asarray(occ.astype(np.int32)))
+      k = jnp.asarray(rng.integers(0, occ.sum(), 40).astype(np.int32))
+      want = np.flatnonzero(occ)[np.asarray(k)]
+      np.testing.assert_array_equal(np.asarray(lean_uniform.kth_occupied(tree, k)), want)
+      # The last levels counted from the occupied column (bool[C]) instead of the tree.
+      got = lean_uniform.kth_occupied(tree, k, jnp.asarray(occ[:cap]))
+      np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_below_is_the_64_bit_fixed_point_product():

@@ -118,14 +118,20 @@ def after(x, read):
 
 
 def materialize(x):
-  """``x`` (int32[B]), computed once.
+  """``x`` (a 1-D integer array), computed once.
 
   XLA:CPU fuses a cheap-looking producer into each consumer, once per
   *element* of the consumer: the tree descent (and the random words behind
   it) were recomputed for every float of every gathered row, which inside
-  ``lax.scan`` cost ~1 ms per B = 256 sample (measured). A scatter is never
-  fused into its consumers, so writing ``x`` through one materializes it
-  (``lax.optimization_barrier`` does not: XLA:CPU removes it first).
+  ``lax.scan`` cost ~1 ms per B = 256 sample (measured). A reduction is never
+  fused into its consumers, so passing ``x`` through one (the max of ``x`` and
+  the dtype's minimum, elementwise over a stacked axis of 2) materializes it
+  in one thunk with ``x``'s producer fused in (``lax.optimization_barrier``
+  does not: XLA:CPU removes it first). A scatter of ``x`` into zeros also
+  works but costs three thunks (zeros, copy, iota; measured: the lean uniform
+  sample 53 -> 40 fusions, ~5-10% of the in-scan step).
   """
-  rows = lax.iota(jnp.int32, x.shape[0])
-  return jnp.zeros_like(x).at[rows].set(x, unique_indices=True, indices_are_sorted=True)
+  if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"materialize: expected a 1-D integer array, got {x.dtype}{list(x.shape)}")
+  low = jnp.full_like(x, jnp.iinfo(x.dtype).min)
+  return jnp.max(jnp.stack([x, low]), axis=0)

@@ -46,7 +46,6 @@ import numpy as np
 
 from funcreplay import native as native_lib
 from funcreplay.core import packing
-from funcreplay.core import selectors as sel
 from funcreplay.core.spec import TableSpec
 from funcreplay.native import build
 

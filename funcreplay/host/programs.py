@@ -123,7 +123,7 @@ class Ops:
 
 
 def ops_for(spec: TableSpec, native=None) -> Ops:
-  """The programs of ``spec``; ``native`` None reads ``FUNCREPLAY_NATIVE`` (``native.use_native``)."""
+  """The programs of ``spec``; ``native`` None: ``FUNCREPLAY_NATIVE`` (``native.use_native``)."""
   return cached_ops(spec, native_lib.use_native(native))
 
 

@@ -139,7 +139,8 @@ def successive(tree, rng, b: int, replace: bool, n_max: int):
   m = b if replace else candidates_per_round(b)
   total = tree[1]
   hi, _ = bits.words(rng, m)
-  d = trees.descend_weight(tree, _uniform24(hi) * total)
+  # Bit for bit trees.descend_weight, 2 levels per step (faster in a scan).
+  d = trees.descend_weight_blocked(tree, _uniform24(hi) * total, inplace.materialize)
   alive = total > 0
   if replace:
     return jnp.where(alive, d, -1)

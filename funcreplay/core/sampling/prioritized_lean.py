@@ -7,8 +7,8 @@ Program (B batch, M = B + max(8, B // 2) candidates, T = ``weight_tree[1]``):
 
 1. ``M`` i.i.d. draws proportional to weight: ``u_m = (hi_m >> 8) * 2**-24``
    (``bits.words(rng, M)``, a float32 in [0, 1)), target ``u_m * T``, one
-   vectorized descent of the weight tree (``trees.descend_weight``,
-   O(M log P), fused by XLA into one loop).
+   vectorized descent of the weight tree (``trees.descend_weight_blocked``:
+   ``trees.descend_weight`` bit for bit, 2 levels per step), O(M log P).
 2. Without replacement: keep the first occurrence of each slot, in draw
    order, and the first B of those (one sort of M pairs). I.i.d. draws with
    repeats discarded are exactly successive sampling (sampling without
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -10,7 +10,8 @@ Program (B = batch size, N = ``state.size``, C = capacity, P = tree size):
    uniformly random permutation of ``[0, N)`` (with ``replace``: B i.i.d.
    uniform integers in ``[0, N)``). O(B log B).
 2. ``slot = k-th occupied slot`` for ``k = x``: a descent of the occupancy
-   count tree (``kth_occupied``, 4 levels per step), O(B log P). Any
+   count tree (``kth_occupied``: 3 levels per step, the last 6 from the
+   ``occupied`` bytes), O(B log P). Any
    bijection from ``[0, N)`` onto the occupied slots gives the same
    distribution; the descent works with holes, so there is no hole test, no
    rejection and no fallback. It is also most of the program's cost in a
@@ -59,34 +60,74 @@ def positions(rng, n, b: int, replace: bool, n_max: int = 1 << 31):
   return x, jnp.broadcast_to(n > 0, (b,))
 
 
-# Tree levels descended per step: one gather of the 2**_LEVELS nodes below the
-# current one, a cumulative sum and a count. XLA fuses each binary level into
-# a fusion of its own (18 for C = 2**18), and those dominated the lean
-# uniform sample in a scan; 4 levels per step gives 5 fusions.
-_LEVELS = 4
+# Tree levels descended per step. Each step is one elementwise fusion over the B
+# rows (2**_LEVELS one-element gathers of the children's counts, their running
+# sum, the child taken) plus one reduction that materializes ``(node, k)``: 3 levels
+# per step measured fastest in a scan (2 and 4 within noise; 6 no better; 4 levels as
+# one [B, 16] gather and a ``cumsum``, the previous program, 1.6x slower: XLA:CPU
+# runs the cumsum's reduce-window as a thunk of its own at ~10 us).
+_LEVELS = 3
+# The last levels are read from ``occupied`` (bool[C], the tree's leaves as bytes)
+# rather than from the tree: 2**6 = 64 consecutive bools are one 64-byte cache line,
+# where the tree's last 6 levels are 2 random lines of a ~1.3 MB region. The sample
+# is memory-bound in a scan (every row is a cache miss per level it touches); this
+# measured 1.0x-1.2x the speed of descending the tree to the leaves (CPU time, A/B
+# runs on the loaded 2-core VM).
+_LEAF_LEVELS = 6
 
 
-def kth_occupied(tree, k):
-  """The ``k``-th (0-based) occupied slot of the occupancy count ``tree`` (int32[B]).
+def _take_child(k, counts):
+  """``(k', j)``: the child ``j`` holding the ``k``-th occupied slot among children of
+  occupied ``counts`` (a list of int32[B], one per child, in slot order), and ``k``
+  relative to that child. Child ``j`` is taken when the counts of children ``0..j-1``
+  sum to ``<= k`` and those of ``0..j`` to ``> k`` (the last child when no earlier
+  one is); unrolled over [B] vectors, so XLA fuses the reads and the running sum
+  into one loop over the rows."""
+  csum, idx, sub = jnp.zeros_like(k), jnp.zeros_like(k), jnp.zeros_like(k)
+  for c in counts[:-1]:
+    csum = csum + c
+    before = csum <= k
+    idx = idx + before.astype(jnp.int32)
+    sub = jnp.where(before, csum, sub)
+  return k - sub, idx
 
-  The same slot as ``trees.descend_count(tree, k, free=False)``: at each step
-  the child taken is the first whose cumulative count exceeds ``k`` (a binary
-  descent's "go right when k >= left count", ``_LEVELS`` levels at once).
-  ``k`` must be below the number of occupied slots.
+
+def kth_occupied(tree, k, occupied=None):
+  """The ``k``-th (0-based) occupied slot (int32[B]) of the occupancy count ``tree``.
+
+  The same slot as ``trees.descend_count(tree, k, free=False)``, by ``_LEVELS``
+  levels per step. With ``occupied`` (bool[C], the table's column: the tree's
+  leaves), the last ``_LEAF_LEVELS`` levels count its bytes instead of reading the
+  tree. ``k`` (int32[B]) must be below the number of occupied slots.
   """
   p = tree.shape[0] // 2
   node = jnp.ones(k.shape, jnp.int32)
   left = trees.depth(p)
+  leaf_levels = 0 if occupied is None else min(_LEAF_LEVELS, left)
+  left -= leaf_levels
   while left:
     step = min(_LEVELS, left)
-    children = node[:, None] * (1 << step) + jnp.arange(1 << step, dtype=jnp.int32)[None, :]
-    cnt = tree[children]
-    before = jnp.cumsum(cnt, axis=1) <= k[:, None]
-    idx = jnp.minimum(jnp.sum(before, axis=1, dtype=jnp.int32), (1 << step) - 1)
-    k = k - jnp.sum(jnp.where(before, cnt, 0), axis=1)
-    node = node * (1 << step) + idx
+    w = 1 << step
+    k, idx = _take_child(k, [tree[node * w + j] for j in range(w)])
+    node = node * w + idx
     left -= step
-  return node - p
+    if left or leaf_levels:
+      # Materialized together: the next step would otherwise recompute this one
+      # (and all before it) in each of its reads (``materialize``).
+      node, k = materialize(jnp.concatenate([node, k])).reshape(2, -1)
+  if not leaf_levels:
+    return node - p
+  w, cap = 1 << leaf_levels, occupied.shape[0]
+  first = (node - (p >> leaf_levels)) * w  # the first slot under ``node``
+
+  def count(j):
+    s = first + j
+    if cap < p:  # the tree's leaves past the capacity are empty; the column ends at C
+      return jnp.where(s < cap, occupied[jnp.minimum(s, cap - 1)], False).astype(jnp.int32)
+    return occupied[s].astype(jnp.int32)
+
+  k, idx = _take_child(k, [count(j) for j in range(w)])
+  return first + idx
 
 
 def gather_rows(state: TableState, slot, valid):
@@ -147,6 +188,6 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   if ring:
     slot = materialize((state.write_pos - n + x + spec.capacity) % spec.capacity)
   else:
-    slot = materialize(kth_occupied(state.occ_tree, x))
+    slot = materialize(kth_occupied(state.occ_tree, x, state.occupied))
   prob = jnp.full((b,), 1.0, jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)
   return finish(spec, state, slot, valid, prob, n, version)
