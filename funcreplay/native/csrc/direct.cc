@@ -275,3 +275,20 @@ extern "C" int funcreplay_direct_update_priorities(const DirectUpdate* cfg_ptr) 
   RunUpdatePriorities(job);
   return 0;
 }
+
+// Test hooks (tests/test_native_identity.py): the kernels' random bits, to check them
+// against jax.random.bits / jax.random.split and the portable recipe.
+extern "C" void funcreplay_stream_words(uint32_t k0, uint32_t k1, uint32_t stream, int64_t n,
+                                        uint32_t* hi, uint32_t* lo) {
+  StreamWords(k0, k1, stream, n, n, hi, lo);
+}
+
+extern "C" void funcreplay_split_key(uint32_t k0, uint32_t k1, uint32_t* out) {
+  SplitKey(k0, k1, 0, &out[0], &out[1]);
+  SplitKey(k0, k1, 1, &out[2], &out[3]);
+}
+
+extern "C" int64_t funcreplay_positions(uint32_t k0, uint32_t k1, uint32_t stream, int64_t n,
+                                        int64_t b, int replace, int64_t* out) {
+  return Positions(k0, k1, stream, n, b, replace != 0, b, out);
+}
