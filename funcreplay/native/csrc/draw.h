@@ -57,7 +57,28 @@ inline void DescendWeight(const float* tree, int64_t p, float* target, int64_t n
 
 // uniform_lean.kth_occupied (= trees.descend_count(free=False)) for n ranks k < tree[1].
 inline void KthOccupied(const int32_t* tree, int64_t p, const int64_t* k_in, int64_t n,
+                        int32_t* out);
+
+// True when the occupied slots are exactly [0, tree[1]) (a table that is full, or a Fifo
+// ring that has not wrapped or holes): then the k-th occupied slot is k itself, the same
+// answer as the descent, at no cost. One descent decides it: the (size - 1)-th occupied
+// slot is size - 1 only if every slot below it is occupied.
+inline bool OccupiedIsPrefix(const int32_t* tree, int64_t p) {
+  const int64_t size = tree[1];
+  if (size <= 0) return true;
+  if (size == p) return true;
+  const int64_t last = size - 1;
+  int32_t slot;
+  KthOccupied(tree, p, &last, 1, &slot);
+  return slot == last;
+}
+
+inline void KthOccupied(const int32_t* tree, int64_t p, const int64_t* k_in, int64_t n,
                         int32_t* out) {
+  if (n > 1 && OccupiedIsPrefix(tree, p)) {
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(k_in[i]);
+    return;
+  }
   std::vector<int64_t> node(n, 1), k(k_in, k_in + n);
   for (int64_t level = 1; level < p; level <<= 1) {
     for (int64_t i = 0; i < n; ++i) __builtin_prefetch(tree + 2 * node[i]);
