@@ -113,25 +113,33 @@ def first_b(d, b: int, n_max: int):
 
 
 def _complete_successive(tree, rng, picked, n, m: int):
-  """Rows ``n..B-1`` of ``picked``: rounds on ``tree`` with the picked slots zeroed."""
+  """Rows ``n..B-1`` of ``picked``: rounds on ``tree`` with the picked slots zeroed.
+
+  Each round first zeroes the slots the previous one took (round 1: all of ``picked``), so
+  the loop holds one tree refresh (fewer operations in the program; the same tree)."""
   b = picked.shape[0]
-  t = trees.refresh_sum(tree, jnp.maximum(picked, 0), jnp.zeros((b,), tree.dtype), picked >= 0)
+  p = tree.shape[0] // 2
 
   def cond(c):
-    t, _, n, j = c
-    return (n < b) & (t[1] > 0) & (j <= b)  # each round adds >= 1: b rounds suffice
+    _, _, n, j, _ = c
+    return (n < b) & (j <= b)  # each round adds >= 1: b rounds suffice
 
   def body(c):
-    t, picked, n, j = c
+    t, picked, n, j, pending = c
+    t = trees.refresh_sum(t, jnp.maximum(pending, 0), jnp.zeros((b,), t.dtype), pending >= 0)
+    alive = t[1] > 0
     hi, _ = stream_words(rng, m, j)
-    first, d = first_occurrence(trees.descend_weight(t, _uniform24(hi) * t[1]))
-    rank = jnp.cumsum(first.astype(jnp.int32)) - 1
-    take = first & (rank < b - n)
-    picked = picked.at[jnp.where(take, n + rank, b)].set(d, mode="drop")
-    t = trees.refresh_sum(t, d, jnp.zeros(d.shape, t.dtype), take)
-    return t, picked, n + jnp.sum(take, dtype=jnp.int32), j + 1
+    d = trees.descend_weight_blocked(t, _uniform24(hi) * t[1], inplace.materialize)
+    new, _ = first_b(d, b, p)  # this round's distinct slots, in draw order
+    rank = jnp.arange(b, dtype=jnp.int32)
+    take = (new >= 0) & (rank < b - n) & alive
+    picked = picked.at[jnp.where(take, n + rank, b)].set(new, mode="drop")
+    n = n + jnp.sum(take, dtype=jnp.int32)
+    # No weight left: stop (n = b ends the loop; picked keeps its -1 rows).
+    return t, picked, jnp.where(alive, n, b), j + 1, jnp.where(take, new, -1)
 
-  return lax.while_loop(cond, body, (t, picked, n, jnp.int32(1)))[1]
+  out = lax.while_loop(cond, body, (tree, picked, n, jnp.int32(1), picked))
+  return out[1]
 
 
 def successive(tree, rng, b: int, replace: bool, n_max: int):
