@@ -154,8 +154,12 @@ def successive(tree, rng, b: int, replace: bool, n_max: int):
     return jnp.where(alive, d, -1)
   picked, n = first_b(d, b, n_max)
   picked = jnp.where(alive, picked, -1)
-  return lax.cond(alive & (n < b), lambda p: _complete_successive(tree, rng, p, n, m),
-                  lambda p: p, picked)
+  def complete(p):
+    # Named: the completion works on a copy of the tree (tests/test_inplace.py exempts it).
+    with jax.named_scope("exact_completion"):
+      return _complete_successive(tree, rng, p, n, m)
+
+  return lax.cond(alive & (n < b), complete, lambda p: p, picked)
 
 
 def masked_tree(tree, mask):

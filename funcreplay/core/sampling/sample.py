@@ -192,7 +192,10 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
       total = unmasked_total
       draw_tree = tree
       if masked:  # the eligible leaves' own sum tree (its root: the eligible weight)
-        draw_tree = exact.masked_tree(tree, eligible_all())
+        # Computed once (XLA would re-fuse the leaf reads into each use, some of them
+        # unordered with the in-place writes after the draw: a tree copy).
+        mask = inplace.materialize(eligible_all().astype(jnp.int32)) > 0
+        draw_tree = exact.masked_tree(tree, mask)
         total = draw_tree[1]
       picked = exact.successive(draw_tree, rng, b, replace, spec.tree_size)
     else:
@@ -202,8 +205,8 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
     if spec.prioritized:
       # The stored weight (the leaf the draw saw), not p**alpha recomputed: a kernel
       # reproduces a read, not XLA's pow.
-      w_item = trees.leaf_values(state.weight_tree, safe)
-      num_eligible = (jnp.sum(eligible_all(), dtype=jnp.int32) if masked else size0 - zero0)
+      w_item = ops.take(state.weight_tree, spec.tree_size + safe)  # a real gather at B = 1
+      num_eligible = jnp.sum(mask, dtype=jnp.int32) if masked else size0 - zero0
       # w * (1 / total), spelled out: XLA rewrites a division by a broadcast scalar into
       # this form anyway, and a kernel reproduces it only when it is the written one.
       prob = w_item * (1.0 / jnp.maximum(total, numerics.TINY))
