@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import executor, indexes, inplace, numerics, ops, ordering, packing, trees
+from funcreplay.core import executor, indexes, inplace, numerics, ops, ordering, packing
 from funcreplay.core import selectors as sel
 from funcreplay.core.sampling import exact, prioritized_lean, uniform_lean
 from funcreplay.core.sampling.draw import Weights as _Weights
