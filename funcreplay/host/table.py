@@ -114,7 +114,10 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin):
 
   Randomness: one host PRNG key (seeded by ``seed``) is split by every
   successful ``sample`` (and every insert with a ``Uniform`` remover), so the
-  same sequence of calls on tables with the same seed gives the same samples.
+  same sequence of calls on tables with the same seed gives the same samples,
+  with the native CPU kernels or without (``native``: True / False, or None to
+  read ``FUNCREPLAY_NATIVE`` when the table's programs are built; the kernels
+  follow the portable programs bit for bit).
 
   Checkpoints: ``save(path)`` quiesces the table only for the snapshot: it
   takes the lock just long enough to copy the state (``snapshot()``), then
