@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench bench-small setup clean
+.PHONY: demo test test-all bench bench-small bench-scan setup clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ bench: $(STAMP)
 
 bench-small: $(STAMP)
 	$(PY) experiments/benchmark.py --small --out=results/benchmark_small.json --plot=results/benchmark_small.png
+
+# Issue 25's in-scan cases vs flashbax on one backend: make bench-scan PLATFORM=gpu
+PLATFORM ?=
+bench-scan: $(STAMP)
+	$(PY) experiments/bench_scan.py --rounds=5 --hlo --platform=$(PLATFORM)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

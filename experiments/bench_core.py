@@ -111,6 +111,7 @@ class _Runner:
 
   def __init__(self, step: Callable[[int], None], sync: Callable[[], None], target_s: float):
     self.step, self.sync, self.i, self.times = step, sync, 0, []
+    self.cpu_times = []  # process CPU seconds per call (all threads), one per run()
     for _ in range(2):  # compile + warm up
       self._call()
     self.sync()
@@ -127,11 +128,12 @@ class _Runner:
     self.i += 1
 
   def run(self):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(self.steps):
       self._call()
     self.sync()
     self.times.append((time.perf_counter() - t0) / self.steps)
+    self.cpu_times.append((time.process_time() - c0) / self.steps)
 
 
 def _measure(runners: Dict[str, _Runner], repeats: int) -> Dict[str, float]:
@@ -531,7 +533,7 @@ def main(argv):
   f = flags.FLAGS
   if f.scan:  # issue 25's in-scan cases, portable and native vs flashbax (bench_scan.py)
     from experiments import bench_scan
-    bench_scan.main(["--hlo", f"--rounds={f.scan_rounds}"])
+    bench_scan.main(["--hlo", f"--rounds={f.scan_rounds}", f"--platform={f.scan_platform}"])
     return
   rows = run(f.small)
   for r in rows:
@@ -550,4 +552,6 @@ if __name__ == "__main__":
   flags.DEFINE_bool("scan", False, "run only issue 25's in-scan cases and HLO counts "
                     "(experiments/bench_scan.py)")
   flags.DEFINE_integer("scan_rounds", 5, "interleaved rounds of the --scan cases")
+  flags.DEFINE_string("scan_platform", "", "backend of the --scan cases: cpu, gpu, tpu "
+                      "('': JAX's default)")
   app.run(main)

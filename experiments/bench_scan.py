@@ -14,12 +14,22 @@ where they apply, BUILD.md "Lean portable programs") and ``native=True`` (the
 CPU kernels). ``--ring`` adds the lean uniform sample with ring slots (valid
 only without holes: what an O(1) position -> slot map would give).
 
+``--platform`` (default: JAX's default backend) runs the same cases on a GPU or
+TPU: flashbax's prioritised buffer is then built with its ``device=`` for that
+backend, and the ``native`` rows (CPU kernels; elsewhere ``native=True`` runs
+the portable programs) are left out. Nothing in the portable programs is
+CPU-only (no host callbacks, no CPU custom calls of ours).
+
 Runners are measured round-robin (``--rounds`` rounds), medians reported, with
-the ratio ``flashbax seconds / ours seconds`` (> 1: ours faster). ``--hlo``
+the ratio ``flashbax seconds / ours seconds`` (> 1: ours faster), and the same
+ratio of process CPU time (all threads): on a shared, loaded machine the wall
+ratio of one run moves by 2x (other processes preempt the 2 XLA threads at
+random), the CPU-time ratio much less. ``--hlo``
 prints the operation counts of the compiled programs (``funcreplay.core.hlo``).
 ``python experiments/bench_core.py --scan`` runs this too.
 
   PYTHONPATH=. python experiments/bench_scan.py --rounds=5 --hlo
+  PYTHONPATH=. python experiments/bench_scan.py --platform=gpu   # make bench-scan PLATFORM=gpu
 """
 
 from __future__ import annotations
@@ -119,7 +129,7 @@ def uniform_runners(tables, fbx, fill, xs16, xs1, target_s):
   return runners
 
 
-def prioritized_runners(tables, fbx, fill, target_s):
+def prioritized_runners(tables, fbx, fill, target_s, platform="cpu"):
   runners = {}
 
   def step_fn(t):
@@ -139,7 +149,8 @@ def prioritized_runners(tables, fbx, fill, target_s):
     h = _filled(t, fill)
     runners[f"{name} prio"] = h.runner(jax.jit(step_fn(t), donate_argnums=0), target_s=target_s)
   buf = fbx.make_prioritised_item_buffer(max_length=CAPACITY, min_length=1, sample_batch_size=SMP,
-                                         add_batches=True, priority_exponent=0.6, device="cpu")
+                                         add_batches=True, priority_exponent=0.6,
+                                         device=platform)
   h = _fbx_filled(buf, fill)
 
   def fprio(s, i0):
@@ -190,7 +201,13 @@ def main(argv=None):
   ap.add_argument("--cases", default="uniform,prioritized")
   ap.add_argument("--hlo", action="store_true")
   ap.add_argument("--ring", action="store_true", help="also lean with ring slots (no holes)")
-  run(ap.parse_args(argv))
+  ap.add_argument("--native", type=int, default=1,
+                  help="also time native=True (CPU kernels; 0: portable vs flashbax only)")
+  ap.add_argument("--platform", default="", help="cpu, gpu or tpu ('': JAX's default backend)")
+  a = ap.parse_args(argv)
+  if a.platform:  # before any backend is initialised
+    jax.config.update("jax_platforms", a.platform)
+  run(a)
 
 
 def run(a):
@@ -201,7 +218,10 @@ def run(a):
   steps = transitions(STEPS * INS, seed=3)
   xs16 = jax.device_put({k: v.reshape((STEPS, INS) + v.shape[1:]) for k, v in steps.items()})
   xs1 = jax.device_put({k: v[:STEPS, None] for k, v in steps.items()})
-  print(f"capacity {CAPACITY:,}, jax {jax.__version__}, {STEPS} steps per scan, "
+  platform = jax.default_backend()
+  from importlib.metadata import version
+  print(f"capacity {CAPACITY:,}, jax {jax.__version__}, flashbax {version('flashbax')}, "
+        f"{platform} ({jax.devices()[0].device_kind}), {STEPS} steps per scan, "
         f"{a.rounds} interleaved rounds (medians)")
   if a.hlo:
     for k, v in hlo_counts(fbx).items():
@@ -210,24 +230,27 @@ def run(a):
     spec = fr.TableSpec(CAPACITY, _example())
     if case == "prioritized":
       spec = spec.replace(sampler=fr.Prioritized(0.6))
-    tables = {"portable": fr.make_table(spec, native=False),
-              "native": fr.make_table(spec, native=True)}
+    tables = {"portable": fr.make_table(spec, native=False)}
+    if platform == "cpu" and a.native:  # elsewhere native=True runs the portable programs
+      tables["native"] = fr.make_table(spec, native=True)
     if case == "uniform" and a.ring:  # what an O(1) position -> slot map would give
       tables["lean-ring"] = LeanRing(spec)
     if case == "uniform":
       runners = uniform_runners(tables, fbx, fill, xs16, xs1, a.target_s)
       kinds = ("scan", "insert1")
     else:
-      runners = prioritized_runners(tables, fbx, fill, a.target_s)
+      runners = prioritized_runners(tables, fbx, fill, a.target_s, platform)
       kinds = ("prio",)
     secs = _measure(runners, a.rounds)
+    cpu = {k: float(np.median(r.cpu_times)) for k, r in runners.items()}
     for kind in kinds:
-      f = secs[f"flashbax {kind}"]
+      f, fc = secs[f"flashbax {kind}"], cpu[f"flashbax {kind}"]
       for name in tables:
-        s = secs[f"{name} {kind}"]
+        s, c = secs[f"{name} {kind}"], cpu[f"{name} {kind}"]
         spread = np.ptp(runners[f"{name} {kind}"].times) / s
         print(f"{case:<12} {kind:<8} {name:<9} {s / STEPS * 1e6:9.1f} us/step  flashbax "
-              f"{f / STEPS * 1e6:9.1f} us/step  ratio {f / s:5.2f}x  (spread {spread:.0%})")
+              f"{f / STEPS * 1e6:9.1f} us/step  ratio {f / s:5.2f}x  (spread {spread:.0%}; "
+              f"process CPU time ratio {fc / c:5.2f}x)")
     del runners
 
 

@@ -427,8 +427,9 @@ def test_blocked_weight_descent_is_the_binary_descent(log_p, zero_frac, seed):
   tree = trees.build_sum(jnp.asarray(leaves))
   u = np.r_[rng.random(61), 0.0, 1.0 - 2**-24].astype(np.float32) * np.asarray(tree[1])
   want = trees.descend_weight(tree, jnp.asarray(u))
-  for levels in (1, 2, 3):
-    got = trees.descend_weight_blocked(tree, jnp.asarray(u), inplace.materialize, levels)
+  for levels, top_depth in ((1, 13), (2, 13), (3, 13), (2, 0), (2, 3), (3, 4)):
+    got = trees.descend_weight_blocked(tree, jnp.asarray(u), inplace.materialize, levels,
+                                       top_depth)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

@@ -60,7 +60,7 @@ def test_words_are_jax_random_bits(n):
 
 def test_kth_occupied_equals_the_binary_descent():
   rng = np.random.default_rng(4)
-  for p in (1, 2, 8, 64, 1024, 1 << 13):
+  for p in (1, 2, 8, 64, 1024, 1 << 13, 1 << 20):  # 2**20: levels below the copied top
     # Capacities below the tree size P too: the slots past C stay empty.
     for cap in sorted({p, max(1, p - 3), p // 2 + 1}):
       occ = np.zeros(p, bool)

@@ -85,9 +85,20 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   keys = state.next_key + r.astype(jnp.uint32)
 
   old_occ = _take(state.occupied, slots)
-  reuse = _take(state.times_sampled, slots)
   n_evicted = jnp.sum(old_occ, dtype=jnp.uint32)
-  reuse_sum = ledger.total(reuse, old_occ)
+  if b == 1:
+    # The victim's reuse count read inside a reduction with a scalar result: XLA:CPU
+    # splits a gather from a > 256 KB column across 2 threads (a hand-off of
+    # microseconds under load), a reduction to a scalar it cannot split (measured:
+    # in-scan insert b1 CPU time 0.41x -> 0.49x flashbax). One int32 (< 2**31) is
+    # its own exact two-word total.
+    two = jnp.concatenate([slots, slots])
+    occ2 = jnp.concatenate([old_occ, jnp.zeros((1,), bool)])
+    lo = jnp.sum(jnp.where(occ2, state.times_sampled[two], 0)).astype(jnp.uint32)
+    reuse_sum = (jnp.uint32(0), lo)
+  else:
+    reuse = _take(state.times_sampled, slots)
+    reuse_sum = ledger.total(reuse, old_occ)
 
   hist, bounds = state.version_hist, state.version_bounds
   new_versions = versions

@@ -14,9 +14,10 @@ Program (B = batch size, N = ``state.size``, C = capacity, P = tree size):
    ``occupied`` bytes), O(B log P). Any
    bijection from ``[0, N)`` onto the occupied slots gives the same
    distribution; the descent works with holes, so there is no hole test, no
-   rejection and no fallback. It is also most of the program's cost in a
-   scan: an O(1) position -> slot map (``ring=True``, an experiment valid
-   only without holes) measured ~1.8x faster (BUILD.md "Lean portable programs").
+   rejection and no fallback. It ends in one cache line of ``occupied`` per
+   row, what an O(1) position -> slot map would cost too (``ring=True`` is
+   such a map, an experiment valid only without holes); the step is
+   memory-bound (BUILD.md "Lean portable programs", findings 8-10).
 3. Gather every data leaf and the info columns; ``times_sampled[slot] += 1``
    (one scatter-add); ``samples`` counter and ``limiter_diff``; with a
    ``version``, the ``sampled_staleness_sum`` counter.
@@ -74,6 +75,13 @@ _LEVELS = 3
 # measured 1.0x-1.2x the speed of descending the tree to the leaves (CPU time, A/B
 # runs on the loaded 2-core VM).
 _LEAF_LEVELS = 6
+# XLA:CPU splits every fusion that reads an operand over 256 KB across its 2 threads
+# (``outer_dimension_partitions``), even a gather of a few hundred elements; under
+# load each hand-off costs microseconds. The descent's upper levels (nodes below
+# 2**(_TOP_DEPTH + 1), 64 KB) are read from a materialized copy of their own, so
+# those steps run on one thread: measured 0.69x -> 0.79x flashbax (CPU time) and
+# 0.55x -> 0.91x (wall) for the in-scan uniform step at load ~8.
+_TOP_DEPTH = 13
 
 
 def _take_child(k, counts):
@@ -105,10 +113,17 @@ def kth_occupied(tree, k, occupied=None):
   left = trees.depth(p)
   leaf_levels = 0 if occupied is None else min(_LEAF_LEVELS, left)
   left -= leaf_levels
+  # The upper levels (depth <= _TOP_DEPTH) are read from a copy of their nodes: see
+  # _TOP_DEPTH. The copy is O(2**_TOP_DEPTH), independent of the capacity.
+  top_depth = min(left, _TOP_DEPTH)
+  top = materialize(tree[:2 << top_depth]) if left else tree
+  depth_now = 0
   while left:
     step = min(_LEVELS, left)
     w = 1 << step
-    k, idx = _take_child(k, [tree[node * w + j] for j in range(w)])
+    depth_now += step
+    src = top if depth_now <= top_depth else tree
+    k, idx = _take_child(k, [src[node * w + j] for j in range(w)])
     node = node * w + idx
     left -= step
     if left or leaf_levels:
