@@ -22,23 +22,24 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(params=["native", "portable"])
-def both_implementations(request):
+def both_implementations(request, monkeypatch):
   """Run a test once with the native CPU kernels and once with the portable JAX
   implementation (``funcreplay.native``): both must honour the same contract.
 
+  It sets ``FUNCREPLAY_NATIVE``, which tables built with ``native=None`` read when their
+  programs are built (``funcreplay.native.use_native``; there is no mutable default).
   Modules opt in with ``pytestmark = pytest.mark.usefixtures("both_implementations")``.
   The native run fails (not skips) when a compiler exists but the kernels do
   not build; it skips only on a machine without a C++ compiler.
   """
-  from funcreplay import native
   from tests.helpers import require_native_kernels
 
   if request.param == "native":
-    require_native_kernels()
-  previous = native.default()
-  native.set_default(request.param == "native")
+    require_native_kernels()  # skips when the environment already turned them off
+    monkeypatch.setenv("FUNCREPLAY_NATIVE", "1")
+  else:
+    monkeypatch.setenv("FUNCREPLAY_NATIVE", "0")
   yield request.param
-  native.set_default(previous)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -22,10 +22,10 @@ def require_native_kernels():
   import pytest
 
   from funcreplay.native import build
-  if fr.native.available():
-    return
   if build.disabled():
     pytest.skip("native kernels disabled by FUNCREPLAY_NATIVE")
+  if fr.native.available():
+    return
   if build.compiler() is None:
     pytest.skip("no C++ compiler: the native kernels cannot be built here")
   pytest.fail(f"native kernels failed to build: {fr.native.error()}")
@@ -38,7 +38,7 @@ def items_from_ids(ids):
 
 def jitted(spec: fr.TableSpec):
   """Jitted pure functions of ``spec`` (cached per spec and implementation)."""
-  return _jitted(spec, fr.native.default())
+  return _jitted(spec, fr.native.use_native())
 
 
 @functools.lru_cache(maxsize=None)

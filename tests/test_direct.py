@@ -45,15 +45,20 @@ SPECS = {
     "prioritized": dict(sampler=fr.Prioritized(0.6)),
     "staleness + reuse": dict(sampler=fr.Uniform(), max_staleness=2, max_times_sampled=2),
     "prioritized + reuse": dict(sampler=fr.Prioritized(1.0), max_times_sampled=3),
+    # The masked prioritized program: the C++ prologue builds the masked sum tree.
+    "prioritized + staleness": dict(sampler=fr.Prioritized(0.6), max_staleness=1,
+                                    max_times_sampled=2),
     "rate limited": dict(sampler=fr.Uniform(),
                          rate_limiter=fr.SampleToInsertRatio(2.0, 4, 6.0)),
 }
 
 
-def _tables(name, capacity=16, seed=3):
+def _tables(name, capacity=16, seed=3, portable=False):
+  """A direct table and a reference of the same seed: the jitted path with the native
+  kernel, or (``portable``) a ``Table(native=False)``: the portable JAX programs."""
   require_native_kernels()
   spec = fr.TableSpec(capacity, _item(), **SPECS[name])
-  direct, ref = fr.Table(spec, seed=seed), fr.Table(spec, seed=seed)
+  direct, ref = fr.Table(spec, seed=seed), fr.Table(spec, seed=seed, native=not portable)
   assert direct.samples_in_place, name
   ref._direct = False  # the jitted path (then a copy into out)  # noqa: SLF001
   return direct, ref
@@ -97,7 +102,21 @@ OPS = st.lists(st.tuples(st.sampled_from(["insert", "sample", "replace", "versio
 @settings(max_examples=15)
 @given(ops=OPS)
 def test_direct_matches_jitted_path(name, ops):
-  direct, ref = _tables(name)
+  _run_both(name, ops, portable=False)
+
+
+@pytest.mark.parametrize("name", ["uniform, Uniform remover", "staleness + reuse",
+                                  "prioritized + staleness", "rate limited"])
+@settings(max_examples=6)
+@given(ops=OPS)
+def test_direct_matches_portable_program(name, ops):
+  """One algorithm, two executors (issue 25): the in-place C++ path and the portable JAX
+  programs (``native=False``) give the same bytes, timeouts, states and keys."""
+  _run_both(name, ops, portable=True)
+
+
+def _run_both(name, ops, portable):
+  direct, ref = _tables(name, portable=portable)
   inserted, sampled = 0, 0
   version = 0
   for op, n, m in ops:
@@ -117,7 +136,12 @@ def test_direct_matches_jitted_path(name, ops):
       ref.set_version(version)
     elif op == "prio" and direct.spec.prioritized and direct.size:
       out = _out(direct, 4)
-      smp = direct.sample_packed(4, out=out, min_valid=1, timeout=0).numpy()
+      try:
+        smp = direct.sample_packed(4, out=out, min_valid=1, timeout=0).numpy()
+      except TimeoutError:  # every priority set to 0: nothing eligible, in both
+        with pytest.raises(TimeoutError):
+          ref.sample_packed(4, out=_out(ref, 4), min_valid=1, timeout=0)
+        continue
       ref_smp = ref.sample_packed(4, out=_out(ref, 4), min_valid=1, timeout=0).numpy()
       np.testing.assert_array_equal(smp.info.slot, ref_smp.info.slot)
       new = np.arange(4, dtype=np.float32) * m
@@ -218,14 +242,10 @@ def test_samples_in_place_only_where_it_applies():
   require_native_kernels()
   item = _item()
   assert not fr.Table(fr.TableSpec(8, item, sampler=fr.Fifo())).samples_in_place
-  assert not fr.Table(fr.TableSpec(8, item, sampler=fr.Prioritized(0.6),
-                                   max_staleness=1)).samples_in_place
-  previous = fr.native.default()
-  fr.native.set_default(False)
-  try:
-    portable = fr.Table(fr.TableSpec(8, item))
-  finally:
-    fr.native.set_default(previous)
+  # Prioritized with max_staleness: in place since the prologue moved into C++ (issue 24).
+  assert fr.Table(fr.TableSpec(8, item, sampler=fr.Prioritized(0.6),
+                               max_staleness=1)).samples_in_place
+  portable = fr.Table(fr.TableSpec(8, item), native=False)
   assert not portable.samples_in_place
   # Not in place: out still receives the batch (a copy of the jitted one).
   portable.insert(_batch(8, 0))

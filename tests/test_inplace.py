@@ -29,15 +29,26 @@ def _rows(b, start=0):
 def _capacity_copies(fn, *args, compiled=None):
   """Lines of the optimised HLO that copy an array whose leading dim is C or 2P.
 
-  Copies inside the threefry loop of ``sample``'s Gumbel fallback (an O(C)
-  branch taken only when the rejection rounds run out) are not counted.
+  Copies made by ``sample``'s exact completion (``sampling.exact``, named scope
+  ``exact_completion``: a rare branch that works on a copy of the weight tree) are not
+  counted.
   """
   if compiled is None:
     compiled = jax.jit(fn, donate_argnums=0).lower(*args).compile()
   txt = compiled.as_text()
   p = fr.TableSpec(CAP, ITEM).tree_size
   sizes = {CAP, 2 * p}
-  fallback = set(re.findall(r"while\(.*body=%([\w.\-]+).*op_name=\"[^\"]*_gumbel", txt))
+  # Computations of the completion: the while bodies it runs and any computation holding
+  # one of its instructions (the cond branch that copies the tree into the loop).
+  fallback = set(re.findall(r"while\(.*body=%([\w.\-]+).*op_name=\"[^\"]*exact_completion",
+                            txt))
+  comp = None
+  for line in txt.splitlines():
+    head = re.match(r"(?:ENTRY )?%([\w.\-]+) \(", line)
+    if head:
+      comp = head.group(1)
+    elif "exact_completion" in line and comp is not None:
+      fallback.add(comp)
   out, comp = [], None
   for line in txt.splitlines():
     head = re.match(r"(?:ENTRY )?%([\w.\-]+) \(", line)

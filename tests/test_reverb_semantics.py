@@ -95,7 +95,7 @@ def test_uniform_remover_draws_the_victim_among_capacity_plus_one():
   """The victim is uniform over the C items and the new one (C + 1 outcomes)."""
   c, n = 4, 4000
   spec = fr.TableSpec(c, ITEM, remover=fr.Uniform())
-  table = fr.make_table(spec, native=fr.native.default())
+  table = fr.make_table(spec)
   full = table.insert(table.init(), items_from_ids(np.arange(c)), rng=jax.random.PRNGKey(1))
 
   @jax.jit

@@ -21,10 +21,10 @@ programs (``snapshot``, ``stats``) finish before it releases its lock
 (``Table._reading``).
 
 Applies (``unsupported`` returns None) to a spec the native sample kernel
-covers (``native.supports_sample``), sampled without ``where``, except a
-prioritized sampler with ``max_staleness`` (whose eligible weight is an O(C)
-float sum in JAX: the direct path could not reproduce its rounding, and the
-O(C) pass dominates that call anyway). Where it applies, ``update_priorities``
+covers (``native.supports_sample``), sampled without ``where`` (a prioritized
+sampler with ``max_staleness`` included: its eligible weight is the root of
+the masked sum tree, which the C++ prologue builds exactly as the portable
+program does). Where it applies, ``update_priorities``
 runs in place too (``RunUpdatePriorities``, the jitted update's kernel, with
 ``priority**alpha`` from libm's ``powf``, which XLA:CPU calls for ``pow``):
 the jitted update cost ~130 us of validation and dispatch, and the next
@@ -46,21 +46,59 @@ import numpy as np
 
 from funcreplay import native as native_lib
 from funcreplay.core import packing
-from funcreplay.core import selectors as sel
 from funcreplay.core.spec import TableSpec
 from funcreplay.native import build
 
-# The layout of direct.cc's configuration and pointer vectors.
-_ABI_VERSION = 3
-(_ABI, _BATCH, _CAPACITY, _REPLACE, _MAX_TIMES, _RING, _N_DATA, _VERSION, _MIN_VALID,
- _MAX_STALENESS, _MIN_SIZE, _HAS_MIN_DIFF, _Q, _Q_MIN, _TREE_NODES, _HIST_SIZE,
- _LEDGER_WORDS, _KEY_WORDS, _OUT_BYTES, _FIXED) = range(20)
-(_P_KEY, _P_OCCUPIED, _P_KEYS, _P_VERSION, _P_TIMES, _P_PRIORITY, _P_OCC_TREE,
- _P_WEIGHT_TREE, _P_LEDGER, _P_HIST, _P_BOUNDS, _P_OUT, _P_DATA) = range(13)
-(_U_ABI, _U_CAPACITY, _U_TREE_NODES, _U_ALPHA_BITS, _U_LEDGER_WORDS, _U_FIXED) = range(6)
-_ERRORS = {1: "the Python and C++ sides disagree on the call layout (rebuild the kernels)",
+_ABI_VERSION = 4  # direct.cc's kAbiVersion
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class SampleArgs(ctypes.Structure):
+  """``funcreplay_direct_sample``'s argument (direct.cc ``FR_SAMPLE_FIELDS``, same order).
+
+  The calling layout is defined once per side and checked at load (``check_layout``):
+  the library exports each field's name, offset and size, so a field reordered, retyped
+  or missing on either side is refused with a clear error, never misread."""
+  _fields_ = [(name, _I64) for name in (
+      "abi", "batch", "capacity", "replace", "max_times_sampled", "n_data", "version",
+      "min_valid", "max_staleness", "min_size", "has_min_diff", "q", "q_min", "tree_nodes",
+      "hist_size", "ledger_words", "out_bytes")] + [(name, _PTR) for name in (
+      "row_bytes", "packed", "ledger_layout", "key", "occupied", "keys", "versions", "times",
+      "priority", "occ_tree", "weight_tree", "ledger", "hist", "bounds", "out", "data",
+      "flags")]
+
+
+class UpdateArgs(ctypes.Structure):
+  """``funcreplay_direct_update_priorities``'s argument (direct.cc ``FR_UPDATE_FIELDS``)."""
+  _fields_ = [("abi", _I64), ("capacity", _I64), ("tree_nodes", _I64), ("alpha_bits", _I64),
+              ("ledger_words", _I64), ("ledger_layout", _PTR), ("k", _I64), ("slots", _PTR),
+              ("row_keys", _PTR), ("priorities", _PTR), ("occupied", _PTR), ("keys", _PTR),
+              ("priority", _PTR), ("weight_tree", _PTR), ("occ_tree", _PTR), ("ledger", _PTR)]
+
+
+_ERRORS = {1: "the Python and C++ sides disagree on the ABI version (rebuild the kernels)",
            2: "the ledger layout does not fit the ledger (rebuild the kernels)",
            3: "the packed layout does not match the output buffer"}
+
+
+def describe(struct) -> str:
+  """``struct``'s layout in the library's format: ``name:offset:size;...;sizeof:N;abi:V``."""
+  fields = "".join(f"{name}:{getattr(struct, name).offset}:{ctypes.sizeof(ctype)};"
+                   for name, ctype in struct._fields_)
+  return f"{fields}sizeof:{ctypes.sizeof(struct)};abi:{_ABI_VERSION}"
+
+
+def check_layout(lib, which: int, struct) -> None:
+  """Raise unless the library's layout ``which`` (0 sample, 1 update) is ``struct``'s."""
+  fn = lib.funcreplay_direct_layout
+  fn.argtypes = [ctypes.c_int]
+  fn.restype = ctypes.c_char_p
+  theirs, ours = fn(which).decode(), describe(struct)
+  if theirs != ours:
+    diff = sorted(set(theirs.split(";")) ^ set(ours.split(";")))
+    raise RuntimeError(f"funcreplay direct path: the C++ and Python calling layouts of "
+                       f"{struct.__name__} differ ({', '.join(diff)}); the library was built "
+                       "from other sources than this package (rebuild the kernels).")
 
 
 def unsupported(spec: TableSpec, native: bool) -> Optional[str]:
@@ -69,8 +107,6 @@ def unsupported(spec: TableSpec, native: bool) -> Optional[str]:
     return "the table does not use the native kernels"
   if not native_lib.supports_sample(spec, stratified=False):
     return "the native sample kernel does not cover this spec"
-  if spec.prioritized and spec.max_staleness is not None:
-    return "a prioritized sampler with max_staleness sums eligible weights in JAX"
   why = packing.packable(spec.signature)
   if why is not None:
     return why
@@ -98,44 +134,48 @@ class DirectSampler:
 
   def __init__(self, spec: TableSpec, ledger_layout: np.ndarray):
     lib = build.library()
+    check_layout(lib, 0, SampleArgs)
+    check_layout(lib, 1, UpdateArgs)
     self._fn = lib.funcreplay_direct_sample
-    self._fn.argtypes = [ctypes.c_void_p] * 3
+    self._fn.argtypes = [ctypes.c_void_p]
     self._fn.restype = ctypes.c_int
+    self._update_fn = lib.funcreplay_direct_update_priorities
+    self._update_fn.argtypes = [ctypes.c_void_p]
+    self._update_fn.restype = ctypes.c_int
     self.spec = spec
     lim = spec.rate_limiter
     _, q = lim.ratio
     n_data = len(spec.signature.leaves)
-    self._n_data = n_data
-    self._base = np.zeros(_FIXED, np.int64)
-    base = self._base
-    base[_ABI] = _ABI_VERSION
-    base[_CAPACITY] = spec.capacity
-    base[_MAX_TIMES] = int(spec.max_times_sampled)
-    base[_RING] = int(isinstance(spec.sampler, sel.Uniform) and sel.is_ring(spec.remover))
-    base[_N_DATA] = n_data
-    base[_MAX_STALENESS] = -1 if spec.max_staleness is None else spec.max_staleness
-    base[_MIN_SIZE] = lim.min_size_to_sample
-    base[_HAS_MIN_DIFF] = int(lim.q_min is not None)
-    base[_Q] = q
-    if base[_HAS_MIN_DIFF]:  # rate_limiters.RateLimiter.can_sample: ceil(min_diff * q)
-      base[_Q_MIN] = lim.q_min
     self._row_bytes = np.array(
         [int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
          for x in spec.signature.leaves], np.int64)
     self._ledger_layout = np.asarray(ledger_layout, np.int64)
-    self._configs: dict = {}  # (rows, replace) -> int64 config vector
-    self._ptrs = np.zeros(_P_DATA + n_data, np.uint64)
+    self._data_ptrs = np.zeros(max(n_data, 1), np.uint64)
     self._flags = np.zeros(3, np.int32)
-    self._ptrs_at = self._ptrs.ctypes.data
-    self._flags_at = self._flags.ctypes.data
-    self._bound = None  # the state whose pointers are in _ptrs
-    self._key = None    # the key array whose pointer is in _ptrs
-    self._update_fn = lib.funcreplay_direct_update_priorities
-    self._update_fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
-    self._update_fn.restype = ctypes.c_int
-    ucfg = self._update_cfg = np.zeros(_U_FIXED + len(self._ledger_layout), np.int64)
-    ucfg[_U_ABI] = _ABI_VERSION
-    ucfg[_U_CAPACITY] = spec.capacity
+    a = self._args = SampleArgs()
+    a.abi = _ABI_VERSION
+    a.capacity = spec.capacity
+    a.max_times_sampled = int(spec.max_times_sampled)
+    a.n_data = n_data
+    a.max_staleness = -1 if spec.max_staleness is None else spec.max_staleness
+    a.min_size = lim.min_size_to_sample
+    a.has_min_diff = int(lim.q_min is not None)
+    a.q = q
+    if a.has_min_diff:  # rate_limiters.RateLimiter.can_sample: ceil(min_diff * q)
+      a.q_min = lim.q_min
+    a.row_bytes = self._row_bytes.ctypes.data
+    a.ledger_layout = self._ledger_layout.ctypes.data
+    a.data = self._data_ptrs.ctypes.data
+    a.flags = self._flags.ctypes.data
+    self._args_at = ctypes.addressof(a)
+    self._packed: dict = {}  # rows -> (packed offsets, nbytes)
+    self._bound = None  # the state whose pointers are in the arguments
+    self._key = None    # the key array whose pointer is in the arguments
+    u = self._update = UpdateArgs()
+    u.abi = _ABI_VERSION
+    u.capacity = spec.capacity
+    u.ledger_layout = self._ledger_layout.ctypes.data
+    self._update_at = ctypes.addressof(u)
     # Whether update_priorities may run here: XLA:CPU computes p**alpha with libm's powf,
     # except for a whole-number alpha >= 2, which JAX turns into multiplications, and
     # alpha 0.5, which XLA turns into a square root (each an ulp away from powf on some
@@ -143,27 +183,18 @@ class DirectSampler:
     self.updates_in_place = True
     if spec.prioritized:  # indexes.sample_weight: alpha as a float32 constant
       alpha = spec.sampler.priority_exponent
-      ucfg[_U_ALPHA_BITS] = int(np.float32(alpha).view(np.uint32))
+      u.alpha_bits = int(np.float32(alpha).view(np.uint32))
       self.updates_in_place = not ((alpha >= 2 and float(alpha).is_integer()) or alpha == 0.5)
-    ucfg[_U_FIXED:] = self._ledger_layout
-    self._update_cfg_at = ucfg.ctypes.data
-    self._rows = np.zeros(3, np.uint64)
-    self._rows_at = self._rows.ctypes.data
 
   def layout(self, rows: int) -> packing.PackedLayout:
     return packing.layout(self.spec.signature, rows)
 
-  def _config(self, rows: int, replace: bool) -> Tuple[np.ndarray, int]:
-    got = self._configs.get((rows, replace))
+  def _offsets(self, rows: int) -> Tuple[np.ndarray, int]:
+    got = self._packed.get(rows)
     if got is None:
       lay = self.layout(rows)
-      offsets = np.array([f.offset for f in lay.fields] + [lay.nbytes], np.int64)
-      cfg = np.concatenate([self._base, self._row_bytes, offsets, self._ledger_layout])
-      cfg[_BATCH] = rows
-      cfg[_REPLACE] = int(replace)
-      cfg[_OUT_BYTES] = lay.nbytes
-      got = (cfg, cfg.ctypes.data)
-      self._configs[(rows, replace)] = got
+      got = (np.array([f.offset for f in lay.fields] + [lay.nbytes], np.int64), lay.nbytes)
+      self._packed[rows] = got
     return got
 
   def bind(self, state) -> None:
@@ -171,24 +202,23 @@ class DirectSampler:
     if state is self._bound:
       return
     jax.block_until_ready(state)
-    p = self._ptrs
-    p[_P_OCCUPIED] = _pointer(state.occupied)
-    p[_P_KEYS] = _pointer(state.key)
-    p[_P_VERSION] = _pointer(state.version)
-    p[_P_TIMES] = _pointer(state.times_sampled)
-    p[_P_PRIORITY] = _pointer(state.priority)
-    p[_P_OCC_TREE] = _pointer(state.occ_tree)
-    p[_P_WEIGHT_TREE] = _pointer(state.weight_tree)
-    p[_P_LEDGER] = _pointer(state.ledger)
-    p[_P_HIST] = _pointer(state.version_hist)
-    p[_P_BOUNDS] = _pointer(state.version_bounds)
+    a, u = self._args, self._update
+    a.occupied = u.occupied = _pointer(state.occupied)
+    a.keys = u.keys = _pointer(state.key)
+    a.versions = _pointer(state.version)
+    a.times = _pointer(state.times_sampled)
+    a.priority = u.priority = _pointer(state.priority)
+    a.occ_tree = u.occ_tree = _pointer(state.occ_tree)
+    a.weight_tree = u.weight_tree = _pointer(state.weight_tree)
+    a.ledger = u.ledger = _pointer(state.ledger)
+    a.hist = _pointer(state.version_hist)
+    a.bounds = _pointer(state.version_bounds)
     for d, leaf in enumerate(jax.tree_util.tree_leaves(state.data)):
-      p[_P_DATA + d] = _pointer(leaf)
-    self._tree_nodes = state.occ_tree.shape[0]
-    self._hist_size = state.version_hist.shape[0]
-    self._ledger_words = state.ledger.shape[0]
-    self._update_cfg[_U_TREE_NODES] = state.weight_tree.shape[0]
-    self._update_cfg[_U_LEDGER_WORDS] = self._ledger_words
+      self._data_ptrs[d] = _pointer(leaf)
+    a.tree_nodes = state.occ_tree.shape[0]
+    a.hist_size = state.version_hist.shape[0]
+    a.ledger_words = u.ledger_words = state.ledger.shape[0]
+    u.tree_nodes = state.weight_tree.shape[0]
     self._bound = state
 
   def unbind(self) -> None:
@@ -198,20 +228,24 @@ class DirectSampler:
   def sample(self, rng: np.ndarray, rows: int, replace: bool, version: int, min_valid: int,
              out: int) -> Tuple[int, int, int]:
     """Sample ``rows`` into the buffer at address ``out`` (uint8, the packed layout's size,
-    C-contiguous and writable: the caller checked); advances ``rng`` (numpy uint32 key
+    C-contiguous and writable: the caller checked); advances ``rng`` (numpy uint32[2] key
     words) in place on success. Returns (ok, limiter_ok, eligible count)."""
-    cfg, cfg_at = self._config(rows, replace)
-    cfg[_VERSION] = version
-    cfg[_MIN_VALID] = min_valid
-    cfg[_TREE_NODES] = self._tree_nodes
-    cfg[_HIST_SIZE] = self._hist_size
-    cfg[_LEDGER_WORDS] = self._ledger_words
-    cfg[_KEY_WORDS] = rng.size
+    offsets, nbytes = self._offsets(rows)
+    a = self._args
+    a.batch = rows
+    a.replace = int(replace)
+    a.packed = offsets.ctypes.data
+    a.out_bytes = nbytes
+    a.version = version
+    a.min_valid = min_valid
     if rng is not self._key:
-      self._ptrs[_P_KEY] = rng.ctypes.data
+      if rng.shape != (2,) or rng.dtype != np.uint32:
+        raise ValueError(f"funcreplay direct sample: the key must be uint32[2] (threefry), "
+                         f"got {rng.dtype}{list(rng.shape)}.")
+      a.key = rng.ctypes.data
       self._key = rng
-    self._ptrs[_P_OUT] = out
-    err = self._fn(cfg_at, self._ptrs_at, self._flags_at)
+    a.out = out
+    err = self._fn(self._args_at)
     if err:
       raise RuntimeError(f"funcreplay direct sample: {_ERRORS.get(err, f'error {err}')}.")
     ok, limiter_ok, cnt = self._flags.tolist()
@@ -223,11 +257,12 @@ class DirectSampler:
     uint32[K], ``priorities`` float32[K] (as given), each C-contiguous (the caller made
     them so). The weight tree gets ``priority**alpha`` from libm's ``powf``, as XLA:CPU
     computes it in the jitted update (callers check ``updates_in_place`` first)."""
-    r = self._rows
-    r[0] = slots.ctypes.data
-    r[1] = keys.ctypes.data
-    r[2] = priorities.ctypes.data
-    err = self._update_fn(self._update_cfg_at, self._ptrs_at, self._rows_at, slots.shape[0])
+    u = self._update
+    u.slots = slots.ctypes.data
+    u.row_keys = keys.ctypes.data
+    u.priorities = priorities.ctypes.data
+    u.k = slots.shape[0]
+    err = self._update_fn(self._update_at)
     if err:
       raise RuntimeError(f"funcreplay direct update_priorities: "
                          f"{_ERRORS.get(err, f'error {err}')}.")

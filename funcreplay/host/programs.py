@@ -122,8 +122,9 @@ class Ops:
     self.copy = jax.jit(_copy_tree)
 
 
-def ops_for(spec: TableSpec) -> Ops:
-  return cached_ops(spec, native_lib.default())
+def ops_for(spec: TableSpec, native=None) -> Ops:
+  """The programs of ``spec``; ``native`` None: ``FUNCREPLAY_NATIVE`` (``native.use_native``)."""
+  return cached_ops(spec, native_lib.use_native(native))
 
 
 @functools.lru_cache(maxsize=64)

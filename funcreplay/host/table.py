@@ -118,7 +118,10 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
 
   Randomness: one host PRNG key (seeded by ``seed``) is split by every
   successful ``sample`` (and every insert with a ``Uniform`` remover), so the
-  same sequence of calls on tables with the same seed gives the same samples.
+  same sequence of calls on tables with the same seed gives the same samples,
+  with the native CPU kernels or without (``native``: True / False, or None to
+  read ``FUNCREPLAY_NATIVE`` when the table's programs are built; the kernels
+  follow the portable programs bit for bit).
 
   Checkpoints: ``save(path)`` quiesces the table only for the snapshot: it
   takes the lock just long enough to copy the state (``snapshot()``), then
@@ -137,15 +140,15 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
   """
 
   def __init__(self, spec: TableSpec, *, seed: int = 0, version: int = 0,
-               payloads: bool = False):
+               payloads: bool = False, native: Optional[bool] = None):
     if not isinstance(spec, TableSpec):
       raise TypeError(f"Table expects a TableSpec, got {type(spec).__name__}.")
     self._init(spec, None, jax.random.PRNGKey(_check_int(seed, "seed", 0, 2**32 - 1)), version,
-               payloads)
+               _ops_for(spec, native), payloads)
 
-  def _init(self, spec, state, rng, version, payloads=False, sidecar_values=None):
+  def _init(self, spec, state, rng, version, ops_, payloads=False, sidecar_values=None):
     self.spec = spec
-    self._ops = _ops_for(spec)
+    self._ops = ops_
     self._state = self._ops.init() if state is None else state
     self._rng = rng
     self._version = _check_int(version, "version")
@@ -171,7 +174,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
   @classmethod
   def from_state(cls, spec: TableSpec, state: TableState, *, seed: int = 0, version: int = 0,
                  rng=None, check: bool = True, payloads: bool = False,
-                 sidecar_values=None) -> "Table":
+                 sidecar_values=None, native: Optional[bool] = None) -> "Table":
     """A ``Table`` owning a *copy* of ``state`` (used by checkpoint restore).
 
     Args:
@@ -216,10 +219,10 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
         raise ValueError(f"Table.from_state: rng must be a uint32[2] key, got "
                          f"{r.dtype.name}{list(r.shape)}.")
       rng = jnp.asarray(r)
-    ops_ = _ops_for(spec)
+    ops_ = _ops_for(spec, native)
     table = cls.__new__(cls)
     table._init(spec, ops_.copy(jax.tree_util.tree_map(jnp.asarray, state)), rng, version,
-                payloads, sidecar_values)
+                ops_, payloads, sidecar_values)
     return table
 
   # -- properties -------------------------------------------------------------

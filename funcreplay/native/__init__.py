@@ -16,17 +16,20 @@ buffers, without a jitted call (``Table.sample_packed(out=...)``;
 ``funcreplay.host.direct``).
 
 Everything else, and every non-CPU backend (``lax.platform_dependent``),
-runs the portable JAX implementation. Semantics are identical: the same
-eligible items with the same probabilities, the same state updates; only
-the random stream differs (the kernel runs threefry-2x32 in counter mode over
-the key's data, so randomness still comes only from the explicit key).
-Tests run the core suites against both implementations.
+runs the portable JAX implementation. The kernels run the portable programs'
+algorithm with the same random bits (BUILD.md "Bit recipe"): for the same
+``(state, key)`` a table gives bit-identical batches and states with the
+kernels on or off. Tests check exactly that.
 
-``make_table(spec, native=False)``, ``set_default(False)`` (tables built
-afterwards) or ``FUNCREPLAY_NATIVE=0`` (the whole process) opt out.
+Opt out per table with ``make_table(spec, native=False)`` /
+``Table(spec, native=False)``; ``native=None`` (the default) reads the
+``FUNCREPLAY_NATIVE`` environment variable (``0``/``false``/``no``/``off``:
+portable) when the table's programs are built (``use_native``).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import jax
 import numpy as np
@@ -35,22 +38,19 @@ from funcreplay.core import ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
 from funcreplay.core.spec import TableSpec
-from funcreplay.native.build import error, load, loaded
+from funcreplay.native.build import disabled, error, load, loaded
 
-__all__ = ["available", "default", "ensure_built", "error", "ledger_attr", "loaded", "set_default",
-           "supports_insert", "supports_sample", "supports_update_priorities"]
-
-_default = [True]
+__all__ = ["available", "ensure_built", "error", "ledger_attr", "loaded", "supports_insert",
+           "supports_sample", "supports_update_priorities", "use_native"]
 
 
-def default() -> bool:
-  """Whether ``make_table`` uses the native kernels when not told (initially True)."""
-  return _default[0]
-
-
-def set_default(enabled: bool) -> None:
-  """Set the default of ``make_table(spec, native=None)`` for tables built from now on."""
-  _default[0] = bool(enabled)
+def use_native(native: Optional[bool] = None) -> bool:
+  """A table's ``native`` argument resolved: True / False as given; None reads
+  ``FUNCREPLAY_NATIVE`` now (unset: True). Called where a table's programs are built,
+  never inside a trace; there is no process-wide mutable default."""
+  if native is None:
+    return not disabled()
+  return bool(native)
 
 
 def available() -> bool:

@@ -2,7 +2,8 @@
 
 One shared library holds ``kernels.cc`` (the XLA FFI handlers) and
 ``direct.cc`` (the direct host entry points, ``funcreplay.host.direct``),
-which share ``common.h``, ``sample_core.h`` and ``priorities_core.h``. It is built on first use with
+which share the headers of ``csrc/`` (``sample_core.h`` and ``priorities_core.h``: the
+kernels' bodies). It is built on first use with
 the system C++ compiler (``$CXX``, else ``c++``/``g++``) against the XLA FFI
 headers that ship with jaxlib (``jax.ffi.include_dir()``), and cached in
 ``$FUNCREPLAY_CACHE_DIR`` (default ``~/.cache/funcreplay``) under a name that
@@ -33,7 +34,8 @@ import jaxlib
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _UNITS = [os.path.join(_HERE, name) for name in ("kernels.cc", "direct.cc")]
 _HEADERS = [os.path.join(_HERE, name)
-            for name in ("common.h", "priorities_core.h", "sample_core.h")]
+            for name in ("common.h", "draw.h", "priorities_core.h", "random.h", "rows.h",
+                         "sample_core.h")]
 _TARGETS = {"funcreplay_sample": "FuncreplaySample",
             "funcreplay_fifo_insert": "FuncreplayFifoInsert",
             "funcreplay_update_priorities": "FuncreplayUpdatePriorities"}
@@ -91,8 +93,6 @@ def load() -> bool:
     if _state["loaded"] is not None:
       return _state["loaded"]
     try:
-      if disabled():
-        raise RuntimeError("disabled by FUNCREPLAY_NATIVE")
       cxx = compiler()
       if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX)")
@@ -103,9 +103,8 @@ def load() -> bool:
       _state.update(loaded=True, lib=lib)
     except Exception as e:  # noqa: BLE001 -- any failure means: use the JAX path
       _state.update(loaded=False, error=f"{type(e).__name__}: {e}")
-      if "FUNCREPLAY_NATIVE" not in _state["error"]:
-        warnings.warn(f"funcreplay: native CPU kernels unavailable ({_state['error']}); "
-                      "using the portable JAX implementation.", RuntimeWarning, stacklevel=3)
+      warnings.warn(f"funcreplay: native CPU kernels unavailable ({_state['error']}); "
+                    "using the portable JAX implementation.", RuntimeWarning, stacklevel=3)
     return _state["loaded"]
 
 
@@ -115,7 +114,8 @@ def loaded() -> bool:
 
 
 def disabled() -> bool:
-  """True when ``FUNCREPLAY_NATIVE`` turns the kernels off for this process."""
+  """True when ``FUNCREPLAY_NATIVE`` asks for the portable programs (tables built with
+  ``native=None``; an explicit ``native=True`` still builds the kernels)."""
   return os.environ.get("FUNCREPLAY_NATIVE", "1").strip().lower() in ("0", "false", "no", "off")
 
 

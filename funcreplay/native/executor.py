@@ -2,7 +2,7 @@
 
 The core's operations take it as their ``native`` argument; ``fr.make_table``
 and the host ``Table`` pass it when the native kernels are enabled
-(``funcreplay.native.default()``).
+(``funcreplay.native.use_native``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ class NativeExecutor:
   def update_priorities(self, spec, state, slots, keys, priorities):
     return native_priorities.update_priorities(spec, state, slots, keys, priorities)
 
-  def sample(self, spec, state, rng, batch_size, ver, where, replace, enabled, layout):
+  def sample(self, spec, state, rng, batch_size, ver, where, replace, enabled, layout,
+             split_key):
     return native_sample.sample(spec, state, rng, batch_size, ver, where, replace, enabled,
-                                layout)
+                                layout, split_key)
 
   def __repr__(self) -> str:
     return "NATIVE"
@@ -49,11 +50,12 @@ NATIVE = NativeExecutor()
 
 
 def choose(native: Optional[bool]) -> Optional[NativeExecutor]:
-  """The executor for ``native`` (None: ``funcreplay.native.default()``): ``NATIVE`` or None.
+  """The executor for ``native`` (None: ``FUNCREPLAY_NATIVE``, ``native.use_native``):
+  ``NATIVE`` or None.
 
   Choosing ``NATIVE`` builds and loads the kernels here (``funcreplay.native.ensure_built``).
   """
-  use = native_lib.default() if native is None else bool(native)
+  use = native_lib.use_native(native)
   if use:
     native_lib.ensure_built()  # now, when the programs are built: never inside a trace
   return NATIVE if use else None

@@ -15,7 +15,8 @@ def make_table(spec: TableSpec, *, native: Optional[bool] = None) -> functional.
   ``native``: on CPU, run the operations that have one through a native
   kernel (``funcreplay.native``: same semantics, far fewer XLA operations).
   False keeps the portable JAX implementation everywhere; None (default):
-  ``funcreplay.native.default()``, initially True.
+  the ``FUNCREPLAY_NATIVE`` environment variable, read now (unset: True).
+  Both give the same results for the same ``(state, key)``.
 
   Example::
 

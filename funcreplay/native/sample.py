@@ -1,11 +1,12 @@
 """``sample`` for a ``Uniform`` or ``Prioritized`` sampler in one CPU kernel.
 
-Same contract as ``funcreplay.core.sampling.sample``; the kernel is in
-``kernels.cc`` (``SampleImpl``). The eligible count (O(1) / O(V) from
-the staleness version index, O(C) with a ``where`` mask) and, for the
-prioritized sampler, the eligible weight are computed in JAX first, with the
-same expressions as the portable path; the kernel uses them to choose between
-rejection and enumeration and to report probabilities.
+Same contract as ``funcreplay.core.sampling.sample``, and the same program: the kernel
+(``csrc/sample_core.h``, ``RunSample``) follows the portable programs' recipe bit for bit
+(``uniform_lean``, ``prioritized_lean``, ``sampling.exact``), so for the same ``(state,
+key)`` it returns the same batch and state. It computes the prologue itself (staleness
+threshold, eligible count and weight, the key split) from the version and the ``where``
+mask; the host direct path (``direct.cc``) runs the same code. Threefry keys only (the
+caller, ``sampling.sample``, keeps other key implementations on the portable program).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcreplay import native
-from funcreplay.core import indexes, ops, staleness
-from funcreplay.core import selectors as sel
+from funcreplay.core import ops
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import Sample, SampleInfo, TableState
 
@@ -32,44 +32,29 @@ def _key_words(rng) -> jnp.ndarray:
 
 
 def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
-           replace: bool, enabled=None, layout=None):
+           replace: bool, enabled=None, layout=None, split_key: bool = True):
   """``(state, Sample, next_key)``; arguments already validated by ``sampling.sample``.
 
-  ``enabled`` False: no sample (state unchanged, every row invalid).
+  ``enabled`` False: no sample (state unchanged, every row invalid, the key kept).
   ``layout``: a ``packing.PackedLayout``: the kernel writes the batch straight
   into one uint8 buffer, returned in place of the ``Sample``.
-  ``next_key``: the successor of ``rng`` in a key sequence (raw ``uint32[2]``
-  key data, or a typed key of ``rng``'s implementation), drawn by the kernel
-  from its threefry stream at a counter the sample draws never reach.
+  ``split_key``: sample with ``jax.random.split(rng)[1]`` and return ``[0]`` as the next
+  key (``sampling.sample(split_key=True)``); else sample with ``rng`` itself.
   """
   b, c = batch_size, spec.capacity
   has_version = ver is not None
-  stale = has_version and spec.max_staleness is not None
-  thresh = staleness.threshold(spec, ver) if stale else jnp.int32(jnp.iinfo(jnp.int32).min)
   if where is not None:
     ops.eligible_mask(spec, state, None, where)  # validates shape and dtype
     where = jnp.asarray(where)
-  masked = ops.masks_active(spec, ver, where)
-  if spec.prioritized:  # as the portable path: O(C) sums under masks, the root otherwise
-    if masked:
-      mask = ops.eligible_mask(spec, state, ver, where)
-      total = jnp.sum(jnp.where(mask, indexes.sample_weight(spec, state.occupied,
-                                                            state.priority), 0.0))
-      num_eligible = jnp.sum(mask, dtype=jnp.int32)
-    else:
-      total, num_eligible = state.weight_tree[1], ops.count(spec, state)
-  else:
-    total, num_eligible = jnp.float32(0), ops.count(spec, state, where, ver)
-  params = jnp.stack([jnp.asarray(ver if has_version else 0, jnp.int32), thresh,
-                      num_eligible,
-                      jnp.int32(1) if enabled is None else enabled.astype(jnp.int32)])
+  params = jnp.stack([jnp.asarray(ver if has_version else 0, jnp.int32),
+                      jnp.int32(1) if enabled is None else jnp.asarray(enabled).astype(jnp.int32)])
   data_leaves, data_def = jax.tree_util.tree_flatten(state.data)
   state_ops = [state.occupied, state.key, state.version, state.times_sampled, state.priority,
                state.occ_tree, state.weight_tree, state.ledger, state.version_hist,
                state.version_bounds, *data_leaves]
   key_words = _key_words(rng)
-  operands = [key_words, params, jnp.asarray(total, jnp.float32),
-              where if where is not None else jnp.zeros((0,), bool), *state_ops]
+  operands = [key_words, params, where if where is not None else jnp.zeros((0,), bool),
+              *state_ops]
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops]
   if layout is not None:
     out_types.append(jax.ShapeDtypeStruct((layout.nbytes,), jnp.uint8))
@@ -80,16 +65,14 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
                   (jnp.bool_, jnp.int32, jnp.uint32, jnp.float32, jnp.float32, jnp.int32,
                    jnp.int32)]
     offsets = np.array([-1], np.int64)
-  out_types += [jax.ShapeDtypeStruct((), jnp.int32)] * 2  # valid rows, num_eligible echoed
-  out_types.append(jax.ShapeDtypeStruct(key_words.shape, jnp.uint32))  # next key
+  out_types += [jax.ShapeDtypeStruct((), jnp.int32)] * 2  # valid rows, num_eligible
+  out_types.append(jax.ShapeDtypeStruct((2,), jnp.uint32))  # next key
   call = jax.ffi.ffi_call("funcreplay_sample", out_types, vmap_method="sequential",
-                          input_output_aliases={4 + i: i for i in range(len(state_ops))})
+                          input_output_aliases={3 + i: i for i in range(len(state_ops))})
   res = call(*operands, batch_size=b, capacity=c, replace=bool(replace),
              max_times_sampled=int(spec.max_times_sampled), has_version=has_version,
-             has_where=where is not None,
-             ring=isinstance(spec.sampler, sel.Uniform) and sel.is_ring(spec.remover),
-             packed=offsets, ledger=native.ledger_attr(spec))
-
+             max_staleness=-1 if spec.max_staleness is None else int(spec.max_staleness),
+             split_key=bool(split_key), packed=offsets, ledger=native.ledger_attr(spec))
   n_state = len(state_ops)
   occupied, key, version, times, priority, occ_tree, weight_tree, ledger, hist, bounds = res[:10]
   new_data = res[10:n_state]
@@ -108,9 +91,7 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
       data=jax.tree_util.tree_unflatten(data_def, new_data), occupied=occupied, key=key,
       version=version, times_sampled=times, priority=priority, occ_tree=occ_tree,
       weight_tree=weight_tree, ledger=ledger, version_hist=hist, version_bounds=bounds)
-  next_key = next_words.reshape(jnp.shape(jax.random.key_data(rng)) if _typed(rng)
-                                else jnp.shape(rng)).astype(
-      jnp.uint32 if _typed(rng) else jnp.asarray(rng).dtype)
+  next_key = next_words
   if _typed(rng):
     next_key = jax.random.wrap_key_data(next_key, impl=jax.random.key_impl(rng))
   return state, out, next_key

@@ -25,7 +25,10 @@ def eligible_mask(spec: TableSpec, state: TableState, version=None, where=None):
   (under a ``Prioritized`` sampler, only items of positive sampling weight)."""
   ok = state.occupied
   if spec.prioritized:
-    ok = indexes.sample_weight(spec, ok, state.priority) > 0
+    # The stored weight (the weight-tree leaf, p**alpha when set): what the draws read,
+    # and what a native kernel reproduces (XLA's pow it could not, bit for bit).
+    p = spec.tree_size
+    ok = ok & (state.weight_tree[p:p + spec.capacity] > 0)
   if version is not None and spec.max_staleness is not None:
     ok = ok & ~stale_mask(spec, state, version)
   if where is not None:

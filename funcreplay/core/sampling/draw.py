@@ -50,7 +50,7 @@ def candidates_per_round(batch_size: int) -> int:
   return batch_size + max(8, batch_size // 2)
 
 
-def _first_occurrence(d):
+def first_occurrence(d):
   """``(first, d)``: bool[M], True at the first occurrence (in order) of each value
   of ``d``; and ``d`` itself, read back out of the sort.
 
@@ -141,7 +141,7 @@ def draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_a
   def one_round(tree, picked, n, u, alive):
     """Candidates from ``tree``; ``alive``: False once the tree holds no weight."""
     if track:
-      first, d = _first_occurrence(draw(tree, u))
+      first, d = first_occurrence(draw(tree, u))
     else:
       first, d = True, draw(tree, u)
     # A tree draw never lands on a zeroed leaf; a ring draw may (a repeat from

@@ -1,9 +1,12 @@
 """``sample``: draw a batch, bump reuse counters, free exhausted items.
 
-Weighted selectors (Uniform, Prioritized) draw from a device tree
-(``sampling.draw``: rounds of i.i.d. candidates, successive sampling, an
-exact completion); eligibility comes from ``sampling.eligibility``, the
-bookkeeping after the draw from ``sampling.finish``.
+Weighted selectors (Uniform, Prioritized) draw from a device tree: the lean
+programs (``uniform_lean``, ``prioritized_lean``) without masks, else the
+draws of ``sampling.exact`` (rounds of i.i.d. candidates, successive
+sampling, exact completions). All of them are the recipe the native kernel
+follows bit for bit (BUILD.md "Bit recipe"): on CPU ``native`` on or off
+gives the same batch and state for the same ``(state, key)``. Eligibility
+comes from ``sampling.eligibility``, the bookkeeping from ``sampling.finish``.
 
 Deterministic selectors (Fifo, Lifo, MinHeap, MaxHeap) sort the eligible
 items by their order: O(C log C), meant for queue/stack-sized tables.
@@ -20,12 +23,11 @@ from jax import lax
 
 from funcreplay.core import executor, indexes, inplace, numerics, ops, ordering, packing
 from funcreplay.core import selectors as sel
-from funcreplay.core.sampling import prioritized_lean, uniform_lean
+from funcreplay.core.sampling import exact, prioritized_lean, uniform_lean
 from funcreplay.core.sampling.draw import Weights as _Weights
 from funcreplay.core.sampling.draw import draw_stratified as _draw_stratified
-from funcreplay.core.sampling.draw import draw_weighted as _draw_weighted
-from funcreplay.core.sampling.draw import restore_zeroed, ring_window
-from funcreplay.core.sampling.eligibility import eligibility, eligible_weight
+from funcreplay.core.sampling.draw import restore_zeroed
+from funcreplay.core.sampling.eligibility import eligibility
 from funcreplay.core.sampling.finish import finish as _finish
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
@@ -59,13 +61,13 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     native: an executor (``core.executor``) whose CPU kernel runs where one
       applies (``fr.make_table`` passes ``funcreplay.native``'s); other
       backends, and None, run the JAX implementation.
-    split_key: also return the next key of a key sequence: the sample uses a
-      key derived from ``rng``, and ``(state, Sample, next_rng)`` comes back
-      (the host ``Table`` keeps its key this way); with ``enabled`` False the
-      key does not advance (``next_rng`` is ``rng``). The native kernel derives
-      both from ``rng`` itself: on XLA:CPU a ``jax.random.split`` in the same
-      program costs ~70 us (its rolled threefry loop moves the program off
-      the caller's thread).
+    split_key: also return the next key of a key sequence: ``next_rng, key =
+      jax.random.split(rng)``, the sample uses ``key``, and ``(state, Sample,
+      next_rng)`` comes back (the host ``Table`` keeps its key this way); with
+      ``enabled`` False the key does not advance (``next_rng`` is ``rng``).
+      For threefry keys the split is unrolled (``exact.split``, the same bits):
+      on XLA:CPU jax's rolled threefry loop costs ~70 us in the same program
+      (it moves the program off the caller's thread).
     packed: return the batch as a ``PackedSample`` (one uint8 buffer,
       ``funcreplay.core.packing``) instead of a ``Sample``; the native kernel
       writes it directly. Needs whole-byte item dtypes.
@@ -103,7 +105,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   def portable(st):
     key = rng
     if split_key:
-      next_key, key = jax.random.split(rng)
+      next_key, key = exact.split(rng) if exact.is_threefry(rng) else jax.random.split(rng)
 
     def do(st):
       lean = lean_program(spec, version=ver, where=where, stratified=stratified)
@@ -129,10 +131,13 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     return (*out, next_key)
 
   native = executor.check(native, "sample")
-  if native and native.supports_sample(spec, stratified) and native.available():
+  # The kernel reproduces threefry keys only (other key implementations: portable).
+  if (native and native.supports_sample(spec, stratified) and exact.is_threefry(rng)
+      and native.available()):
 
     def kernel(st):
-      st, out, next_key = native.sample(spec, st, rng, b, ver, where, replace, enabled, layout)
+      st, out, next_key = native.sample(spec, st, rng, b, ver, where, replace, enabled, layout,
+                                        split_key)
       if layout is not None:
         out = packing.PackedSample(out, layout)
       return (st, out, next_key) if split_key else (st, out)
@@ -176,29 +181,35 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
     size0, unmasked_total, zero0 = inplace.once(
         (state.size, state.weight_tree[1] if spec.prioritized else jnp.float32(0),
          indexes.zero_weight_count(spec, state)))
+    touched = None
     if stratified:
       w = _Weights(spec, state)
       picked = _draw_stratified(spec, state, rng, b)
-      tree, touched = w.tree, None
+      tree = w.tree
+      total = unmasked_total
+    elif spec.prioritized:
+      tree = state.weight_tree
+      total = unmasked_total
+      draw_tree = tree
+      if masked:  # the eligible leaves' own sum tree (its root: the eligible weight)
+        # Computed once (XLA would re-fuse the leaf reads into each use, some of them
+        # unordered with the in-place writes after the draw: a tree copy).
+        mask = inplace.materialize(eligible_all().astype(jnp.int32)) > 0
+        draw_tree = exact.masked_tree(tree, mask)
+        total = draw_tree[1]
+      picked = exact.successive(draw_tree, rng, b, replace, spec.tree_size)
     else:
-      window = None
-      if isinstance(spec.sampler, sel.Uniform) and sel.is_ring(spec.remover):
-        start, filled = ring_window(spec, state)
-        window = (start, filled, size0 == filled)
-      picked, tree, touched = _draw_weighted(spec, state, rng, b, replace, eligible_fn,
-                                             eligible_all, (size0, unmasked_total), window,
-                                             masked)
+      picked, tree, touched = exact.draw_uniform(spec, state, rng, b, replace, eligible_fn,
+                                                 eligible_all, (size0, unmasked_total), masked)
     safe = jnp.maximum(picked, 0)
     if spec.prioritized:
-      w_item = indexes.sample_weight(spec, ops.take(state.occupied, safe),
-                                    ops.take(state.priority, safe))
-      if masked:
-        mask = eligible_all()
-        total = eligible_weight(spec, state, mask)
-        num_eligible = jnp.sum(mask, dtype=jnp.int32)
-      else:
-        total, num_eligible = unmasked_total, size0 - zero0
-      prob = w_item / jnp.maximum(total, numerics.TINY)
+      # The stored weight (the leaf the draw saw), not p**alpha recomputed: a kernel
+      # reproduces a read, not XLA's pow.
+      w_item = ops.take(state.weight_tree, spec.tree_size + safe)  # a real gather at B = 1
+      num_eligible = jnp.sum(mask, dtype=jnp.int32) if masked else size0 - zero0
+      # w * (1 / total), spelled out: XLA rewrites a division by a broadcast scalar into
+      # this form anyway, and a kernel reproduces it only when it is the written one.
+      prob = w_item * (1.0 / jnp.maximum(total, numerics.TINY))
     else:
       num_eligible = ops.count(spec, state, where, ver, size=size0)
       prob = jnp.full((b,), 1.0, jnp.float32) / jnp.maximum(num_eligible, 1).astype(jnp.float32)

@@ -20,12 +20,10 @@ Gumbel-top-k over the remaining weights (O(N), under one ``lax.cond``).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 
-from funcreplay.core import bits, inplace, numerics, trees
-from funcreplay.core.sampling.prioritized_lean import first_distinct
+from funcreplay.core import inplace, numerics, trees
+from funcreplay.core.sampling import exact
 from funcreplay.core.trajectory.spec import TrajectorySpec
 from funcreplay.core.trajectory.state import TrajectoryState
 
@@ -56,41 +54,16 @@ def refresh(tree, positive, w, values, valid):
   return trees.refresh_sum(tree, safe, values, valid), positive
 
 
-def _complete(spec, key, weights, picked, n):
-  """Rows ``n..B-1`` of ``picked`` by a Gumbel-top-k over ``weights`` minus ``picked``."""
-  b, nw = picked.shape[0], spec.num_windows
-  drawn = jnp.zeros((nw,), bool).at[jnp.where(picked >= 0, picked, nw)].set(True, mode="drop")
-  ok = (weights > 0) & ~drawn
-  logits = jnp.where(ok, jnp.log(jnp.where(ok, weights, 1.0)), -jnp.inf)
-  k = min(b, nw)
-  vals, top = lax.top_k(logits + jax.random.gumbel(key, logits.shape), k)
-  top = jnp.concatenate([jnp.where(jnp.isfinite(vals), top, -1), jnp.full((b - k,), -1, jnp.int32)])
-  pos = jnp.arange(b) - n
-  return jnp.where(pos < 0, picked, top[jnp.clip(pos, 0, b - 1)])
-
-
 def draw(spec: TrajectorySpec, state: TrajectoryState, rng, b: int, replace: bool):
   """``(w int32[b] in range, valid bool[b], num_eligible, probability float32[b])``."""
   tree = state.weight_tree
   # Read once (a slice is re-fused into each consumer, and each copy would be a read that
   # ``sample``'s ordering flag does not cover; see ``inplace.once``).
   total = inplace.once(tree[1])
-  m = b if replace else b + max(8, b // 2)
-  hi, _ = bits.words(rng, m)
-  u = (hi >> 8).astype(jnp.float32) * jnp.float32(_U24)
-  d = jnp.minimum(trees.descend_weight(tree, u * total), spec.num_windows - 1)
-  alive = total > 0
-  if replace:
-    picked = jnp.where(alive, d, -1)
-  else:
-    picked, n = first_distinct(d, b, spec.tree_size)
-    picked = jnp.where(alive, picked, -1)
-
-    def complete(pk):
-      w_all = trees.leaf_values(tree, jnp.arange(spec.num_windows, dtype=jnp.int32))
-      return _complete(spec, jax.random.fold_in(rng, 1), w_all, pk, n)
-
-    picked = lax.cond(alive & (n < b) & (n < state.positive), complete, lambda pk: pk, picked)
+  # The item table's exact successive sampling (``sampling.exact.successive``): the same
+  # draws, first B distinct, and the same transcendental-free completion.
+  picked = exact.successive(tree, rng, b, replace, spec.tree_size)
+  picked = jnp.where(picked >= 0, jnp.minimum(picked, spec.num_windows - 1), -1)
   valid = picked >= 0
   w = jnp.maximum(picked, 0)
   prob = trees.leaf_values(tree, w) / jnp.maximum(total, numerics.TINY)

@@ -1,4 +1,4 @@
-// Shared pieces of funcreplay's native kernels: the random stream, two-word
+// Shared pieces of funcreplay's native kernels: two-word
 // counters, the staleness version index, the ledger, a slot set and sum-tree
 // refreshes. Plain C++ over raw pointers (no XLA types), so the FFI handlers
 // (kernels.cc) and the direct host entry points (direct.cc) share them.
@@ -13,48 +13,6 @@
 #include <vector>
 
 namespace funcreplay {
-
-// --- randomness: threefry-2x32 (20 rounds) in counter mode over the key ---
-
-inline uint32_t Rotl(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
-
-class Threefry {
- public:
-  Threefry(uint32_t k0, uint32_t k1) : k0_(k0), k1_(k1) {}
-
-  uint64_t Next64() {
-    uint32_t x0 = static_cast<uint32_t>(counter_ >> 32);
-    uint32_t x1 = static_cast<uint32_t>(counter_);
-    ++counter_;
-    const uint32_t ks[3] = {k0_, k1_, k0_ ^ k1_ ^ 0x1BD11BDAu};
-    static const int kRot[8] = {13, 15, 26, 6, 17, 29, 16, 24};
-    x0 += ks[0];
-    x1 += ks[1];
-    for (int i = 0; i < 5; ++i) {
-      const int* r = kRot + 4 * (i % 2);
-      for (int j = 0; j < 4; ++j) {
-        x0 += x1;
-        x1 = Rotl(x1, r[j]);
-        x1 ^= x0;
-      }
-      x0 += ks[(i + 1) % 3];
-      x1 += ks[(i + 2) % 3] + static_cast<uint32_t>(i + 1);
-    }
-    return (static_cast<uint64_t>(x0) << 32) | x1;
-  }
-
-  void Seek(uint64_t counter) { counter_ = counter; }
-
-  // Uniform integer in [0, n), n >= 1 (bias below n / 2**64).
-  int64_t Below(int64_t n) {
-    unsigned __int128 m = static_cast<unsigned __int128>(Next64()) * static_cast<uint64_t>(n);
-    return static_cast<int64_t>(m >> 64);
-  }
-
- private:
-  uint32_t k0_, k1_;
-  uint64_t counter_ = 0;
-};
 
 // --- two-word counters: uint32[2] = [hi, lo] ---
 

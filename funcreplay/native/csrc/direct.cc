@@ -28,7 +28,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
+
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 #include "common.h"
 #include "priorities_core.h"
@@ -37,200 +42,214 @@
 namespace funcreplay {
 namespace {
 
-// Layout of the int64 configuration vector (mirrored in direct.py).
-enum Config : size_t {
-  kAbi = 0,          // kAbiVersion: guards against a stale Python/C++ pair
-  kBatch,            // B rows
-  kCapacity,         // C slots
-  kReplace,          // 0 / 1
-  kMaxTimesSampled,  // 0: unlimited
-  kRing,             // Uniform sampler over a Fifo ring
-  kNData,            // item leaves
-  kVersion,          // the learner's policy version (int32)
-  kMinValid,         // fail (flags[0] = 0) below this many eligible items
-  kMaxStaleness,     // -1: no staleness limit
-  kMinSize,          // rate limiter: min_size_to_sample
-  kHasMinDiff,       // rate limiter: 0 when min_diff is -inf
-  kQ,                // rate limiter: samples_per_insert = p / q
-  kQMin,             // rate limiter: ceil(min_diff * q) (rate_limiters.RateLimiter.q_min)
-  kTreeNodes,        // 2P (count tree; also the weight tree when prioritized)
-  kHistSize,         // V (0 without staleness)
-  kLedgerWords,      // words of the ledger
-  kKeyWords,         // words of the PRNG key
-  kOutBytes,         // bytes of the output buffer
-  kFixed,            // then: row bytes [n_data], packed offsets [n_data + 9],
-                     // ledger layout [kLNumEntries + 3]
-};
-constexpr int64_t kAbiVersion = 3;
+// The calling layout, defined once: each entry point takes one struct, its
+// fields listed here (type, name). funcreplay_direct_layout exports every
+// field's name, offset and size and the struct's size, and the Python side
+// (host/direct.py, a ctypes.Structure of the same fields) refuses to call
+// unless they match: a reordered, retyped or missing field fails loudly at
+// load instead of misreading memory.
+#define FR_SAMPLE_FIELDS(X)                                                     \
+  X(int64_t, abi)              /* kAbiVersion */                                \
+  X(int64_t, batch)            /* B rows */                                     \
+  X(int64_t, capacity)         /* C slots */                                    \
+  X(int64_t, replace)          /* 0 / 1 */                                      \
+  X(int64_t, max_times_sampled) /* 0: unlimited */                              \
+  X(int64_t, n_data)           /* item leaves */                                \
+  X(int64_t, version)          /* the learner's policy version (int32) */       \
+  X(int64_t, min_valid)        /* fail (ok = 0) below this many eligible */     \
+  X(int64_t, max_staleness)    /* -1: no staleness limit */                     \
+  X(int64_t, min_size)         /* rate limiter: min_size_to_sample */           \
+  X(int64_t, has_min_diff)     /* rate limiter: 0 when min_diff is -inf */      \
+  X(int64_t, q)                /* rate limiter: samples_per_insert = p / q */   \
+  X(int64_t, q_min)            /* rate limiter: ceil(min_diff * q) */           \
+  X(int64_t, tree_nodes)       /* 2P (count tree; weight tree if prioritized) */\
+  X(int64_t, hist_size)        /* V (0 without staleness) */                    \
+  X(int64_t, ledger_words)     /* words of the ledger */                        \
+  X(int64_t, out_bytes)        /* bytes of the output buffer */                 \
+  X(const int64_t*, row_bytes) /* [n_data] */                                   \
+  X(const int64_t*, packed)    /* [n_data + 9] packed offsets */                \
+  X(const int64_t*, ledger_layout) /* [kLNumEntries + 3] */                     \
+  X(uint32_t*, key)            /* uint32[2] threefry key, advanced in place */  \
+  X(bool*, occupied)           /* bool[C] */                                    \
+  X(const uint32_t*, keys)     /* uint32[C] */                                  \
+  X(const int32_t*, versions)  /* int32[C] */                                   \
+  X(int32_t*, times)           /* int32[C] */                                   \
+  X(const float*, priority)    /* float32[C] */                                 \
+  X(int32_t*, occ_tree)        /* int32[2P] */                                  \
+  X(float*, weight_tree)       /* float32[2P] or null (uniform) */              \
+  X(uint32_t*, ledger)         /* uint32[L] */                                  \
+  X(int32_t*, hist)            /* int32[V] or null */                           \
+  X(int32_t*, bounds)          /* int32[3] or null */                           \
+  X(char*, out)                /* uint8[out_bytes] */                           \
+  X(const char* const*, data)  /* item leaves [C, ...], n_data pointers */      \
+  X(int32_t*, flags)           /* int32[3] out: ok, limiter ok, eligible count */
 
-// Layout of the pointer vector.
-enum Pointer : size_t {
-  kPKey = 0,     // uint32[nk], advanced in place
-  kPOccupied,    // bool[C]
-  kPKeys,        // uint32[C]
-  kPVersion,     // int32[C]
-  kPTimes,       // int32[C]
-  kPPriority,    // float32[C]
-  kPOccTree,     // int32[2P]
-  kPWeightTree,  // float32[2P] or null (uniform)
-  kPLedger,      // uint32[L]
-  kPHist,        // int32[V] or null
-  kPBounds,      // int32[3] or null
-  kPOut,         // uint8[out bytes]
-  kPData,        // item leaves [C, ...]
-};
+#define FR_UPDATE_FIELDS(X)                                                     \
+  X(int64_t, abi)              /* kAbiVersion */                                \
+  X(int64_t, capacity)         /* C slots */                                    \
+  X(int64_t, tree_nodes)       /* 2P nodes of the weight tree (0: uniform) */   \
+  X(int64_t, alpha_bits)       /* float32 bits of the priority exponent */      \
+  X(int64_t, ledger_words)     /* words of the ledger */                        \
+  X(const int64_t*, ledger_layout) /* [kLNumEntries + 3] */                     \
+  X(int64_t, k)                /* rows */                                       \
+  X(const int32_t*, slots)     /* int32[K] */                                   \
+  X(const uint32_t*, row_keys) /* uint32[K] */                                  \
+  X(const float*, priorities)  /* float32[K], as given */                       \
+  X(const bool*, occupied)     /* the state: bool[C] */                         \
+  X(const uint32_t*, keys)     /* uint32[C] */                                  \
+  X(float*, priority)          /* float32[C] */                                 \
+  X(float*, weight_tree)       /* float32[2P] or null */                        \
+  X(int32_t*, occ_tree)        /* int32[2P] (node 0: zero-weight count) */      \
+  X(uint32_t*, ledger)         /* uint32[L] */
 
-// Layout of the int64 configuration vector of a priority update.
-enum UpdateConfig : size_t {
-  kUAbi = 0,        // kAbiVersion
-  kUCapacity,       // C slots
-  kUTreeNodes,      // 2P nodes of the weight tree (0: not prioritized)
-  kUAlphaBits,      // float32 bits of the priority exponent
-  kULedgerWords,    // words of the ledger
-  kUFixed,          // then: ledger layout [kLNumEntries + 3]
-};
+#define FR_DECLARE(type, name) type name;
+struct DirectSample { FR_SAMPLE_FIELDS(FR_DECLARE) };
+struct DirectUpdate { FR_UPDATE_FIELDS(FR_DECLARE) };
+#undef FR_DECLARE
 
-// Layout of the row pointers of a priority update (K rows each).
-enum UpdateRows : size_t {
-  kRSlots = 0,   // int32[K]
-  kRKeys,        // uint32[K]
-  kRPriorities,  // float32[K], as given
-};
+constexpr int64_t kAbiVersion = 4;
 
-// Items with version >= thr: staleness.count_fresh, the O(1) / O(V) answers
-// from the version index, else the O(C) pass it falls back to.
-int32_t CountFresh(const VersionIndex& index, int32_t size, int32_t thr, const bool* occupied,
-                   const int32_t* version, int64_t c) {
-  const int64_t v = index.v;
-  const int32_t hi = index.bounds[0], n_old = index.bounds[1], old_min = index.bounds[2];
-  int32_t lowest = Wrap(static_cast<uint32_t>(Sub(hi, v)) + 1u);
-  if (n_old > 0) lowest = std::min(old_min, lowest);
-  if (thr <= lowest) return size;
-  if (thr > Sub(hi, v)) {
-    uint32_t sum = 0;  // int32 with wrap-around, as jnp.sum
-    for (int64_t b = 0; b < v; ++b) {
-      const int32_t vb = Sub(hi, static_cast<uint32_t>(Sub(hi, b)) & static_cast<uint32_t>(v - 1));
-      if (vb >= thr) sum += static_cast<uint32_t>(index.hist[b]);
-    }
-    return Wrap(sum);
-  }
-  uint32_t n = 0;
-  for (int64_t s = 0; s < c; ++s) n += (occupied[s] && version[s] >= thr) ? 1u : 0u;
-  return Wrap(n);
+// "name:offset:size;..." then "sizeof:N".
+#define FR_DESCRIBE(type, name)                                                  \
+  out += std::string(#name) + ":" + std::to_string(offsetof(Struct, name)) + ":" + \
+         std::to_string(sizeof(type)) + ";";
+template <typename Struct>
+std::string Describe();
+template <>
+std::string Describe<DirectSample>() {
+  using Struct = DirectSample;
+  std::string out;
+  FR_SAMPLE_FIELDS(FR_DESCRIBE)
+  return out + "sizeof:" + std::to_string(sizeof(Struct)) + ";abi:" + std::to_string(kAbiVersion);
 }
+template <>
+std::string Describe<DirectUpdate>() {
+  using Struct = DirectUpdate;
+  std::string out;
+  FR_UPDATE_FIELDS(FR_DESCRIBE)
+  return out + "sizeof:" + std::to_string(sizeof(Struct)) + ";abi:" + std::to_string(kAbiVersion);
+}
+#undef FR_DESCRIBE
+
+// XLA:CPU runs its programs (the FFI kernels included) with denormals flushed
+// to zero (FTZ/DAZ); the direct path sets the same mode for its float work
+// (tree descents, probabilities) so that both give the same bits.
+class ScopedFlushDenormal {
+ public:
+#if defined(__SSE__)
+  ScopedFlushDenormal() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~ScopedFlushDenormal() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
 
 }  // namespace
 }  // namespace funcreplay
 
 using namespace funcreplay;  // NOLINT
 
-// Samples cfg[kBatch] rows into ptrs[kPOut] (packed layout) and updates the
-// state in place, exactly as the jitted Table sample with the native kernel.
-// flags (int32[3]): ok, rate limiter ok, eligible count, as that program
-// returns them. Returns 0, or 1 (ABI mismatch), 2 (ledger layout), 3
-// (packed layout): the state is untouched in those cases.
-extern "C" int funcreplay_direct_sample(const int64_t* cfg, void* const* ptrs, int32_t* flags) {
-  if (cfg[kAbi] != kAbiVersion) return 1;
-  const int64_t b = cfg[kBatch], c = cfg[kCapacity];
-  const size_t n_data = static_cast<size_t>(cfg[kNData]);
-  const int64_t* row_bytes = cfg + kFixed;
-  const int64_t* packed = row_bytes + n_data;
-  const int64_t* ledger_layout = packed + n_data + 9;
+// The calling layouts: which = 0 (sample) or 1 (priority update).
+extern "C" const char* funcreplay_direct_layout(int which) {
+  static const std::string sample = Describe<DirectSample>();
+  static const std::string update = Describe<DirectUpdate>();
+  return which == 0 ? sample.c_str() : update.c_str();
+}
+
+// Samples cfg.batch rows into cfg.out (packed layout) and updates the state in
+// place, exactly as the jitted Table sample with the native kernel; cfg.flags
+// gets ok, rate limiter ok, eligible count, as that program returns them.
+// Returns 0, or 1 (ABI mismatch), 2 (ledger layout), 3 (packed layout): the
+// state is untouched in those cases.
+extern "C" int funcreplay_direct_sample(const DirectSample* cfg_ptr) {
+  const DirectSample& cfg = *cfg_ptr;
+  if (cfg.abi != kAbiVersion) return 1;
+  ScopedFlushDenormal flush;
+  const int64_t b = cfg.batch, c = cfg.capacity;
+  const size_t n_data = static_cast<size_t>(cfg.n_data);
 
   SampleJob job;
   job.batch = b;
   job.capacity = c;
-  job.replace = cfg[kReplace] != 0;
-  job.max_times_sampled = cfg[kMaxTimesSampled];
+  job.replace = cfg.replace != 0;
+  job.max_times_sampled = cfg.max_times_sampled;
+  job.max_staleness = cfg.max_staleness;
   job.has_version = true;  // a Table always samples at a version
-  job.ring = cfg[kRing] != 0;
-  job.occupied = static_cast<bool*>(ptrs[kPOccupied]);
-  job.keys = static_cast<const uint32_t*>(ptrs[kPKeys]);
-  job.versions = static_cast<const int32_t*>(ptrs[kPVersion]);
-  job.times = static_cast<int32_t*>(ptrs[kPTimes]);
-  job.priority = static_cast<const float*>(ptrs[kPPriority]);
-  job.tree = static_cast<int32_t*>(ptrs[kPOccTree]);
-  job.p = cfg[kTreeNodes] / 2;
-  job.wtree = static_cast<float*>(ptrs[kPWeightTree]);
-  if (!job.ledger.Open(static_cast<uint32_t*>(ptrs[kPLedger]), cfg[kLedgerWords], ledger_layout,
-                       kLNumEntries + 3)) {
+  job.split_key = true;    // and keeps a key sequence
+  job.key = cfg.key;
+  job.version = static_cast<int32_t>(cfg.version);
+  job.occupied = cfg.occupied;
+  job.keys = cfg.keys;
+  job.versions = cfg.versions;
+  job.times = cfg.times;
+  job.priority = cfg.priority;
+  job.tree = cfg.occ_tree;
+  job.p = cfg.tree_nodes / 2;
+  job.wtree = cfg.weight_tree;
+  if (!job.ledger.Open(cfg.ledger, cfg.ledger_words, cfg.ledger_layout, kLNumEntries + 3)) {
     return 2;
   }
-  job.index.v = cfg[kHistSize];
-  job.index.hist = static_cast<int32_t*>(ptrs[kPHist]);
-  job.index.bounds = static_cast<int32_t*>(ptrs[kPBounds]);
+  job.index.v = cfg.hist_size;
+  job.index.hist = cfg.hist;
+  job.index.bounds = cfg.bounds;
   job.src.resize(n_data);
   job.row_bytes.resize(n_data);
   for (size_t d = 0; d < n_data; ++d) {
-    job.src[d] = static_cast<const char*>(ptrs[kPData + d]);
-    job.row_bytes[d] = static_cast<size_t>(row_bytes[d]);
+    job.src[d] = cfg.data[d];
+    job.row_bytes[d] = static_cast<size_t>(cfg.row_bytes[d]);
   }
   char* columns[8] = {};
-  if (!BindPacked(static_cast<char*>(ptrs[kPOut]), cfg[kOutBytes], packed, n_data + 9, b,
-                  job.row_bytes, &job.rows, columns)) {
+  if (!BindPacked(cfg.out, cfg.out_bytes, cfg.packed, n_data + 9, b, job.row_bytes, &job.rows,
+                  columns)) {
     return 3;
   }
   job.BindColumns(columns);
 
-  // The jitted program's prologue (table.py _Ops.sample, native/sample.py).
-  const int32_t size = job.tree[1];
-  const int32_t ver = static_cast<int32_t>(cfg[kVersion]);
-  int32_t thr = std::numeric_limits<int32_t>::min();
-  // Zero-weight items are not eligible (occ_tree[0], indexes.zero_weight_count).
-  int32_t cnt = job.wtree != nullptr ? size - job.tree[0] : size;
-  if (cfg[kMaxStaleness] >= 0) {  // staleness.threshold, then ops.count
-    const int32_t ms = static_cast<int32_t>(cfg[kMaxStaleness]);
-    thr = std::max(ver, std::numeric_limits<int32_t>::min() + ms) - ms;
-    cnt = CountFresh(job.index, size, thr, job.occupied, job.versions, c);
-  }
+  // The jitted Table program's gate (host/programs.py): the eligible count
+  // from the shared prologue, then the rate limiter (exact integers,
+  // rate_limiters.can_sample) and min_valid.
+  SamplePrologue(job);
+  const int32_t cnt = job.num_eligible;
   const int64_t n_valid = job.replace ? (cnt > 0 ? b : 0) : std::min<int64_t>(cnt, b);
-  bool limiter_ok = size >= cfg[kMinSize];  // rate_limiters.can_sample, exact integers
-  if (cfg[kHasMinDiff] != 0) {
+  bool limiter_ok = job.tree[1] >= cfg.min_size;
+  if (cfg.has_min_diff != 0) {
     const int64_t diff = job.ledger.GetInt(kLLimiterDiff);
-    limiter_ok = limiter_ok && diff - cfg[kQ] * n_valid >= cfg[kQMin];
+    limiter_ok = limiter_ok && diff - cfg.q * n_valid >= cfg.q_min;
   }
-  const bool ok = limiter_ok && cnt >= cfg[kMinValid];
-
-  uint32_t* kw = static_cast<uint32_t*>(ptrs[kPKey]);
-  const size_t nk = static_cast<size_t>(cfg[kKeyWords]);
-  FoldKey(kw, nk, &job.k0, &job.k1);
-  NextKey(job.k0, job.k1, ok, kw, kw, nk);
-  job.version = ver;
-  job.threshold = thr;
-  job.num_eligible = cnt;
+  const bool ok = limiter_ok && cnt >= cfg.min_valid;
   job.enabled = ok;
-  job.total = job.wtree != nullptr ? job.wtree[1] : 0.0f;
+  RunSample(job);  // the prologue already ran: its results are kept
   std::memcpy(columns[7], &cnt, sizeof cnt);
-  RunSample(job);
-  flags[0] = ok ? 1 : 0;
-  flags[1] = limiter_ok ? 1 : 0;
-  flags[2] = cnt;
+  cfg.key[0] = job.next_key[0];
+  cfg.key[1] = job.next_key[1];
+  cfg.flags[0] = ok ? 1 : 0;
+  cfg.flags[1] = limiter_ok ? 1 : 0;
+  cfg.flags[2] = cnt;
   return 0;
 }
 
-// Applies K priority updates to the state in place, exactly as the jitted
-// Table.update_priorities with the native kernel. ptrs is the pointer vector
-// of funcreplay_direct_sample (only the occupied, keys, priority, weight tree
-// and ledger entries are read). Returns 0, or 1 (ABI mismatch), 2 (ledger
-// layout): the state is untouched in those cases.
-extern "C" int funcreplay_direct_update_priorities(const int64_t* cfg, void* const* ptrs,
-                                                   void* const* rows, int64_t k) {
-  if (cfg[kUAbi] != kAbiVersion) return 1;
+// Applies cfg.k priority updates to the state in place, exactly as the jitted
+// Table.update_priorities with the native kernel. Returns 0, or 1 (ABI
+// mismatch), 2 (ledger layout): the state is untouched in those cases.
+extern "C" int funcreplay_direct_update_priorities(const DirectUpdate* cfg_ptr) {
+  const DirectUpdate& cfg = *cfg_ptr;
+  if (cfg.abi != kAbiVersion) return 1;
   UpdateJob job;
-  if (!job.ledger.Open(static_cast<uint32_t*>(ptrs[kPLedger]), cfg[kULedgerWords], cfg + kUFixed,
-                       kLNumEntries + 3)) {
+  if (!job.ledger.Open(cfg.ledger, cfg.ledger_words, cfg.ledger_layout, kLNumEntries + 3)) {
     return 2;
   }
+  const int64_t k = cfg.k;
   job.k = k;
-  job.slots = static_cast<const int32_t*>(rows[kRSlots]);
-  job.keys = static_cast<const uint32_t*>(rows[kRKeys]);
-  job.priorities = static_cast<const float*>(rows[kRPriorities]);
-  job.capacity = cfg[kUCapacity];
-  job.occupied = static_cast<const bool*>(ptrs[kPOccupied]);
-  job.item_keys = static_cast<const uint32_t*>(ptrs[kPKeys]);
-  job.priority = static_cast<float*>(ptrs[kPPriority]);
+  job.slots = cfg.slots;
+  job.keys = cfg.row_keys;
+  job.priorities = cfg.priorities;
+  job.capacity = cfg.capacity;
+  job.occupied = cfg.occupied;
+  job.item_keys = cfg.keys;
+  job.priority = cfg.priority;
   std::vector<float> weights;
-  if (cfg[kUTreeNodes] > 0) {
+  if (cfg.tree_nodes > 0) {
     // The jitted update's weights (native/priorities.py): the sanitized
     // priority, then indexes.sample_weight, where(p > 0, pow(max(p, 1e-30),
     // alpha), 0) in float32. XLA:CPU calls libm's powf for that pow (not for
@@ -239,7 +258,7 @@ extern "C" int funcreplay_direct_update_priorities(const int64_t* cfg, void* con
     // or the other depending on the surrounding program, so Table sends calls
     // with a denormal priority to the jitted update instead.
     float alpha;
-    const uint32_t bits = static_cast<uint32_t>(cfg[kUAlphaBits]);
+    const uint32_t bits = static_cast<uint32_t>(cfg.alpha_bits);
     std::memcpy(&alpha, &bits, sizeof alpha);
     weights.resize(static_cast<size_t>(k));
     for (int64_t i = 0; i < k; ++i) {
@@ -249,10 +268,27 @@ extern "C" int funcreplay_direct_update_priorities(const int64_t* cfg, void* con
       weights[i] = w < std::numeric_limits<float>::min() ? 0.0f : w;
     }
     job.weights = weights.data();
-    job.wtree = static_cast<float*>(ptrs[kPWeightTree]);
-    job.p = cfg[kUTreeNodes] / 2;
-    job.zero_count = static_cast<int32_t*>(ptrs[kPOccTree]);
+    job.wtree = static_cast<float*>(cfg.weight_tree);
+    job.p = cfg.tree_nodes / 2;
+    job.zero_count = static_cast<int32_t*>(cfg.occ_tree);
   }
   RunUpdatePriorities(job);
   return 0;
+}
+
+// Test hooks (tests/test_native_identity.py): the kernels' random bits, to check them
+// against jax.random.bits / jax.random.split and the portable recipe.
+extern "C" void funcreplay_stream_words(uint32_t k0, uint32_t k1, uint32_t stream, int64_t n,
+                                        uint32_t* hi, uint32_t* lo) {
+  StreamWords(k0, k1, stream, n, n, hi, lo);
+}
+
+extern "C" void funcreplay_split_key(uint32_t k0, uint32_t k1, uint32_t* out) {
+  SplitKey(k0, k1, 0, &out[0], &out[1]);
+  SplitKey(k0, k1, 1, &out[2], &out[3]);
+}
+
+extern "C" int64_t funcreplay_positions(uint32_t k0, uint32_t k1, uint32_t stream, int64_t n,
+                                        int64_t b, int replace, int64_t* out) {
+  return Positions(k0, k1, stream, n, b, replace != 0, b, out);
 }

@@ -65,76 +65,79 @@ T* Ptr(ffi::RemainingRets& rets, size_t i) {
   return static_cast<T*>(rets.get<ffi::AnyBuffer>(i).value()->untyped_data());
 }
 
-// Operand layout of Sample (R = results aliased to state operands):
-enum Arg : size_t {
-  kKey = 0,       // uint32[k] PRNG key data
-  kParams,        // int32[4] [version, staleness threshold, num_eligible, enabled]
-  kTotal,         // float32[] eligible weight (prioritized; else unused)
-  kWhere,         // bool[C] or bool[0]
-  kOccupied,      // bool[C]          (aliased, R0)
-  kKeys,          // uint32[C]        (R1)
-  kVersion,       // int32[C]         (R2)
-  kTimes,         // int32[C]         (R3)
-  kPriority,      // float32[C]       (R4)
-  kOccTree,       // int32[2P]        (R5)
-  kWeightTree,    // float32[2P] (prioritized) or float32[0]  (R6)
-  kLedger,        // uint32[L]        (R7) scalars and counters
-  kHist,          // int32[V]         (R8) staleness version index
-  kBounds,        // int32[3]         (R9)
-  kData,          // data leaves [C, ...] (R10 ...)
-};
-constexpr size_t kFirstState = kOccupied;
+// Operands of Sample. The fixed ones are typed (dtype and rank checked by
+// XLA's FFI binding: a reordered operand is an error, never a misread
+// buffer); the state operands follow, each aliased to the result of the same
+// position, and the kernel writes through the results.
+//   key uint32[2] (threefry key data), params int32[2] [version, enabled],
+//   where bool[C] or bool[0];
+//   state: occupied bool[C], keys uint32[C], version int32[C],
+//   times_sampled int32[C], priority float32[C], occ_tree int32[2P],
+//   weight_tree float32[2P] or [0], ledger uint32[L], version_hist int32[V],
+//   version_bounds int32[3], then the data leaves [C, ...].
+// Results: the state (typed as above, then the data leaves), then the batch
+// (the data rows and seven info columns, or one packed uint8 buffer), the
+// valid rows int32[], num_eligible int32[], the next key uint32[2].
+using Bool1 = ffi::Buffer<ffi::PRED, 1>;
+using U32_1 = ffi::Buffer<ffi::U32, 1>;
+using S32_1 = ffi::Buffer<ffi::S32, 1>;
+using F32_1 = ffi::Buffer<ffi::F32, 1>;
+template <ffi::DataType T>
+using Out1 = ffi::ResultBuffer<T, 1>;
 
-ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t batch_size,
+ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs state_args,
+                      Out1<ffi::PRED> occupied, Out1<ffi::U32> keys, Out1<ffi::S32> version,
+                      Out1<ffi::S32> times, Out1<ffi::F32> priority, Out1<ffi::S32> occ_tree,
+                      Out1<ffi::F32> weight_tree, Out1<ffi::U32> ledger, Out1<ffi::S32> hist,
+                      Out1<ffi::S32> bounds, ffi::RemainingRets rets, int64_t batch_size,
                       int64_t capacity, bool replace, int64_t max_times_sampled,
-                      bool has_version, bool has_where, bool ring,
+                      bool has_version, int64_t max_staleness, bool split_key,
                       ffi::Span<const int64_t> packed, ffi::Span<const int64_t> ledger_layout) {
   const int64_t b = batch_size;
   const int64_t c = capacity;
-  const size_t n_data = args.size() - kData;
-  const size_t n_state = kData - kFirstState + n_data;
+  constexpr size_t kFixedState = 10;  // the typed state results above
+  if (state_args.size() < kFixedState || key.element_count() != 2 ||
+      params.element_count() != 2 || occupied->element_count() != static_cast<size_t>(c) ||
+      (where.element_count() != 0 && where.element_count() != static_cast<size_t>(c))) {
+    return ffi::Error::InvalidArgument(
+        "funcreplay_sample: operand shapes do not match the call layout (key uint32[2], "
+        "params int32[2], where bool[C] or [0], then the state)");
+  }
+  const size_t n_data = state_args.size() - kFixedState;
 
   SampleJob job;
   job.batch = b;
   job.capacity = c;
   job.replace = replace;
   job.max_times_sampled = max_times_sampled;
+  job.max_staleness = max_staleness;
   job.has_version = has_version;
-  job.ring = ring;
-
-  auto key_buf = args.get<ffi::AnyBuffer>(kKey).value();
-  const uint32_t* kw = static_cast<const uint32_t*>(key_buf.untyped_data());
-  const size_t nk = key_buf.element_count();
-  FoldKey(kw, nk, &job.k0, &job.k1);
-
-  const int32_t* params = Ptr<int32_t>(args, kParams);
-  job.version = params[0];
-  job.threshold = params[1];
-  job.num_eligible = params[2];
-  job.enabled = params[3] != 0;  // false: sample nothing, change nothing
-  job.total = *Ptr<float>(args, kTotal);
-  job.where = has_where ? Ptr<bool>(args, kWhere) : nullptr;
-
-  // State results alias their operands: write through the results.
-  job.occupied = Ptr<bool>(rets, kOccupied - kFirstState);
-  job.keys = Ptr<uint32_t>(rets, kKeys - kFirstState);
-  job.versions = Ptr<int32_t>(rets, kVersion - kFirstState);
-  job.times = Ptr<int32_t>(rets, kTimes - kFirstState);
-  job.priority = Ptr<float>(rets, kPriority - kFirstState);
-  auto tree_buf = rets.get<ffi::AnyBuffer>(kOccTree - kFirstState).value();
-  job.tree = static_cast<int32_t*>(tree_buf->untyped_data());
-  job.p = static_cast<int64_t>(tree_buf->element_count()) / 2;
-  auto wt_buf = rets.get<ffi::AnyBuffer>(kWeightTree - kFirstState).value();
-  job.wtree = wt_buf->element_count() > 0 ? static_cast<float*>(wt_buf->untyped_data())
-                                          : nullptr;
-  if (!OpenLedger(rets, kLedger - kFirstState, ledger_layout, &job.ledger)) {
+  job.split_key = split_key;
+  job.key = key.typed_data();
+  job.version = params.typed_data()[0];
+  job.enabled = params.typed_data()[1] != 0;  // false: sample nothing, change nothing
+  job.where = where.element_count() > 0 ? where.typed_data() : nullptr;
+  job.occupied = occupied->typed_data();
+  job.keys = keys->typed_data();
+  job.versions = version->typed_data();
+  job.times = times->typed_data();
+  job.priority = priority->typed_data();
+  job.tree = occ_tree->typed_data();
+  job.p = static_cast<int64_t>(occ_tree->element_count()) / 2;
+  job.wtree = weight_tree->element_count() > 0 ? weight_tree->typed_data() : nullptr;
+  if (!job.ledger.Open(ledger->typed_data(), static_cast<int64_t>(ledger->element_count()),
+                       ledger_layout.begin(), ledger_layout.size())) {
     return LedgerMismatch("funcreplay_sample");
   }
-  job.index = OpenIndex(rets, kHist - kFirstState, kBounds - kFirstState);
+  job.index.v = static_cast<int64_t>(hist->element_count());
+  if (job.index.v > 0) {
+    job.index.hist = hist->typed_data();
+    job.index.bounds = bounds->typed_data();
+  }
   job.src.resize(n_data);
   job.row_bytes.resize(n_data);
   for (size_t d = 0; d < n_data; ++d) {
-    auto leaf = rets.get<ffi::AnyBuffer>(kData - kFirstState + d).value();
+    auto leaf = rets.get<ffi::AnyBuffer>(d).value();
     job.src[d] = static_cast<const char*>(leaf->untyped_data());
     job.row_bytes[d] = c > 0 ? leaf->size_bytes() / c : 0;
   }
@@ -144,7 +147,7 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
   // columns, num_eligible, then the total size) all in one uint8 buffer
   // (funcreplay/packing.py's layout). packed = [-1]: separate arrays.
   const bool is_packed = !(packed.size() == 1 && packed[0] == -1);
-  size_t o = n_state;
+  size_t o = n_data;
   char* columns[8] = {};  // valid, slot, key, prob, prio, times, version, num_eligible
   if (is_packed) {  // the layout comes from funcreplay/packing.py; check it anyway
     auto buf = rets.get<ffi::AnyBuffer>(o++);
@@ -156,7 +159,6 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
           "funcreplay_sample: the packed layout does not match the operands (expected "
           "n_data + 9 increasing byte offsets ending with the output's size)");
     }
-    std::memcpy(columns[7], &params[2], sizeof(int32_t));
   } else {
     job.rows.resize(n_data);
     for (size_t d = 0; d < n_data; ++d) {
@@ -166,17 +168,19 @@ ffi::Error SampleImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t 
       columns[j] = static_cast<char*>(rets.get<ffi::AnyBuffer>(o++).value()->untyped_data());
     }
   }
+  if (rets.size() != o + 3) {
+    return ffi::Error::InvalidArgument("funcreplay_sample: wrong number of results");
+  }
   job.BindColumns(columns);
   int32_t* out_n = Ptr<int32_t>(rets, o++);
-  // num_eligible goes back out through the kernel: the caller computed it
-  // from reads of the count tree, and returning those reads directly would
-  // leave them unordered with this in-place update (XLA would copy the tree).
-  *Ptr<int32_t>(rets, o++) = params[2];
-  auto next_buf = rets.get<ffi::AnyBuffer>(o++).value();
-  NextKey(job.k0, job.k1, job.enabled, kw, static_cast<uint32_t*>(next_buf->untyped_data()),
-          next_buf->element_count());
+  int32_t* out_eligible = Ptr<int32_t>(rets, o++);
+  uint32_t* next_key = Ptr<uint32_t>(rets, o++);
 
   *out_n = static_cast<int32_t>(RunSample(job));
+  *out_eligible = job.num_eligible;
+  if (is_packed) std::memcpy(columns[7], &job.num_eligible, sizeof(int32_t));
+  next_key[0] = job.next_key[0];
+  next_key[1] = job.next_key[1];
   return ffi::Error::Success();
 }
 
@@ -352,15 +356,28 @@ ffi::Error UpdatePrioritiesImpl(ffi::RemainingArgs args, ffi::RemainingRets rets
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplaySample, SampleImpl,
                               ffi::Ffi::Bind()
-                                  .RemainingArgs()
-                                  .RemainingRets()
+                                  .Arg<U32_1>()    // key
+                                  .Arg<S32_1>()    // params
+                                  .Arg<Bool1>()    // where
+                                  .RemainingArgs()  // the state (aliased)
+                                  .Ret<Bool1>()    // occupied
+                                  .Ret<U32_1>()    // keys
+                                  .Ret<S32_1>()    // version
+                                  .Ret<S32_1>()    // times_sampled
+                                  .Ret<F32_1>()    // priority
+                                  .Ret<S32_1>()    // occ_tree
+                                  .Ret<F32_1>()    // weight_tree
+                                  .Ret<U32_1>()    // ledger
+                                  .Ret<S32_1>()    // version_hist
+                                  .Ret<S32_1>()    // version_bounds
+                                  .RemainingRets()  // data leaves, the batch, n, eligible, key
                                   .Attr<int64_t>("batch_size")
                                   .Attr<int64_t>("capacity")
                                   .Attr<bool>("replace")
                                   .Attr<int64_t>("max_times_sampled")
                                   .Attr<bool>("has_version")
-                                  .Attr<bool>("has_where")
-                                  .Attr<bool>("ring")
+                                  .Attr<int64_t>("max_staleness")
+                                  .Attr<bool>("split_key")
                                   .Attr<ffi::Span<const int64_t>>("packed")
                                   .Attr<ffi::Span<const int64_t>>("ledger"));
 
