@@ -75,6 +75,8 @@ def witness(arrays) -> jnp.ndarray:
   costs XLA:CPU ~3 fusions). Sound only for arrays XLA materializes (a gather of
   many rows, the sample's outputs), not for a cheap producer that XLA re-fuses
   into its consumers (a slice, elementwise ops): use ``never`` / ``once`` there.
+  Pass each materialized array as a leaf of its own (a ``jnp.stack`` of several would
+  be simplified to the first one's element).
   The elements are summed elementwise (XLA fuses that into the consumer): duplicates of
   this sum read the materialized arrays again, never the columns behind them.
   """

@@ -116,4 +116,4 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   num_eligible = size - zero
   # finish orders every read (these included) before a later insert / update_priorities.
   return uniform.finish(spec, state, slot, valid, prob, num_eligible, version,
-                        reads=jnp.stack([size, zero]))
+                        reads=(size, zero))

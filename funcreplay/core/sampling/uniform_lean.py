@@ -167,7 +167,7 @@ def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, 
   Ordered: the returned state's ledger (``write_pos``, behind every write of a
   following ``insert``) and ``info.slot`` (the slots of a following
   ``update_priorities``) are data-dependent on every read of this call (the
-  gathered rows and info columns, through ``inplace.digest``). XLA orders by
+  gathered rows and info columns, through ``inplace.witness``). XLA orders by
   data dependencies only: without this, a later write in place of a column
   this call read (``insert`` writes them all) would make XLA copy the column,
   O(C) per call. An ``update_priorities`` at slots other than ``info.slot``
