@@ -5,6 +5,8 @@ transition of ``bench_core``, every sampled leaf consumed (so XLA keeps every
 gather). Cases (K steps per jitted scan call):
 
 - ``insert b16 + uniform sample b256`` per step (ours: without replacement);
+- ``smp-ins``: the same in the other order, ``uniform sample b256 + insert b16`` (the
+  sample's reads before the insert's in-place writes: ``uniform_lean.finish``);
 - ``insert b1`` per step;
 - ``prioritized sample b256 + update_priorities`` per step (write-back of
   ``|reward| + 0.01``; ours without replacement, flashbax with).
@@ -96,6 +98,17 @@ def uniform_runners(tables, fbx, fill, xs16, xs1, target_s):
       return s, acc
     return f
 
+  def sample_insert_fn(t):  # the other order: the sample's reads, then the insert's writes
+    def f(s, i0, xs):
+      def body(c, x):
+        s, acc, v = c
+        s, smp = t.sample(s, jax.random.PRNGKey(v), batch_size=SMP)
+        s = t.insert(s, x)
+        return (s, acc + _use(smp.data), v + 1), None
+      (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
+      return s, acc
+    return f
+
   def ins_fn(t):
     def f(s, i0, xs):
       s, _ = jax.lax.scan(lambda s, x: (t.insert(s, x), None), s, xs)
@@ -108,6 +121,8 @@ def uniform_runners(tables, fbx, fill, xs16, xs1, target_s):
                                        target_s=target_s)
     runners[f"{name} insert1"] = h.runner(jax.jit(ins_fn(t), donate_argnums=0), xs1,
                                           target_s=target_s)
+    runners[f"{name} smp-ins"] = h.runner(jax.jit(sample_insert_fn(t), donate_argnums=0),
+                                          xs16, target_s=target_s)
   buf = fbx.make_item_buffer(max_length=CAPACITY, min_length=1, sample_batch_size=SMP,
                              add_batches=True)
   h = _fbx_filled(buf, fill)
@@ -120,12 +135,21 @@ def uniform_runners(tables, fbx, fill, xs16, xs1, target_s):
     (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
     return s, acc
 
+  def fsi(s, i0, xs):
+    def body(c, x):
+      s, acc, v = c
+      acc = acc + _use(buf.sample(s, jax.random.PRNGKey(v)).experience)
+      return (buf.add(s, x), acc, v + 1), None
+    (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
+    return s, acc
+
   def fins(s, i0, xs):
     s, _ = jax.lax.scan(lambda s, x: (buf.add(s, x), None), s, xs)
     return s, None
 
   runners["flashbax scan"] = h.runner(jax.jit(fscan, donate_argnums=0), xs16, target_s=target_s)
   runners["flashbax insert1"] = h.runner(jax.jit(fins, donate_argnums=0), xs1, target_s=target_s)
+  runners["flashbax smp-ins"] = h.runner(jax.jit(fsi, donate_argnums=0), xs16, target_s=target_s)
   return runners
 
 
@@ -237,7 +261,7 @@ def run(a):
       tables["lean-ring"] = LeanRing(spec)
     if case == "uniform":
       runners = uniform_runners(tables, fbx, fill, xs16, xs1, a.target_s)
-      kinds = ("scan", "insert1")
+      kinds = ("scan", "smp-ins", "insert1")
     else:
       runners = prioritized_runners(tables, fbx, fill, a.target_s, platform)
       kinds = ("prio",)

@@ -20,6 +20,13 @@ orders only some of them. Hence ``never`` funnels scalar reads through a sort
 and arrays through reductions (neither is duplicated), ``once`` does the same
 for scalars that are used later, and ``tie`` writes with a two-index scatter,
 which XLA neither fuses into later gathers nor turns into a slice update.
+
+The same holds across calls: a ``sample`` then an ``insert`` on the state it
+returns (in one jit, or a scan body) must order the sample's gathers before
+the insert's writes of the same columns. The lean sample does it with
+``witness`` (one element of each of its materialized outputs) feeding the
+returned ``write_pos``, which every write of the insert depends on
+(``uniform_lean.finish``; tests/test_hlo.py).
 """
 
 from __future__ import annotations
@@ -57,6 +64,34 @@ def never(reads) -> jnp.ndarray:
   total = sum(sums) + jnp.sum(lax.sort(jnp.stack(scalars)), dtype=jnp.uint32)
   # A uint32 has at most 32 bits set; XLA does not reason about popcount ranges.
   return lax.population_count(total) > 32
+
+
+def witness(arrays) -> jnp.ndarray:
+  """uint32[]: a value computed from the *buffers* of ``arrays`` (a pytree), O(leaves).
+
+  For ``after``: a write made dependent on it is ordered after whatever produced
+  those buffers (say the fusion that gathered a sample's rows from a column), at
+  the cost of reading one element of each, not a reduction of each (a reduction
+  costs XLA:CPU ~3 fusions). Sound only for arrays XLA materializes (a gather of
+  many rows, the sample's outputs), not for a cheap producer that XLA re-fuses
+  into its consumers (a slice, elementwise ops): use ``never`` / ``once`` there.
+  Pass each materialized array as a leaf of its own (a ``jnp.stack`` of several would
+  be simplified to the first one's element).
+  The elements are summed elementwise (XLA fuses that into the consumer): duplicates of
+  this sum read the materialized arrays again, never the columns behind them.
+  """
+  firsts = [jnp.uint32(0)]
+  for x in jax.tree_util.tree_leaves(arrays):
+    x = jnp.asarray(x)
+    if x.size == 0:
+      continue
+    x = x.reshape(-1)[0]
+    if x.dtype == jnp.bool_ or jax.dtypes.itemsize_bits(x.dtype) < 32:
+      x = x.astype(jnp.uint32)  # a value conversion: reads the element as well
+    elif jax.dtypes.itemsize_bits(x.dtype) == 64:
+      x = lax.bitcast_convert_type(x, jnp.uint32)[0]
+    firsts.append(lax.bitcast_convert_type(x, jnp.uint32))
+  return sum(firsts)
 
 
 def once(values):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay.core import bits, indexes, trees
+from funcreplay.core import bits, indexes, inplace, trees
 from funcreplay.core import counters as ctr
-from funcreplay.core.inplace import after
+from funcreplay.core.inplace import after, materialize
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -41,7 +41,13 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
   p = jnp.broadcast_to(jnp.asarray(priorities, jnp.float32), slots.shape)
   in_range = (slots >= 0) & (slots < cap)
   safe = jnp.where(in_range, slots, 0)
-  ok = in_range & state.occupied[safe] & (state.key[safe] == keys)
+  # The key guard's gathers, read once (``materialize``: XLA would re-fuse them into each
+  # consumer) and ordered before a later insert's writes of ``occupied`` / ``key``: the
+  # returned ``write_pos`` (behind every insert write) depends on them (``after``), else
+  # XLA copies both columns.
+  guard = materialize((in_range & state.occupied[safe] & (state.key[safe] == keys))
+                      .astype(jnp.int32))
+  ok = guard > 0
   # Last valid occurrence of each slot: sort (slot, row) pairs, keep each run's last.
   s_slot, s_row = bits.sort_pairs(jnp.where(ok, safe, cap), cap + 1)
   last_sorted = jnp.concatenate([s_slot[1:] != s_slot[:-1], jnp.ones((1,), bool)])
@@ -78,4 +84,5 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
       win = win & jnp.asarray([True, False])
     tree = trees.refresh_sum(tree, safe, w, win)
   return state.replace(priority=prio, weight_tree=tree, occ_tree=occ_tree, counters=c,
-                       max_priority=max_p)
+                       max_priority=max_p,
+                       write_pos=after(state.write_pos, inplace.witness(guard)))

@@ -24,7 +24,7 @@ Program (B batch, M = B + max(8, B // 2) candidates, T = ``weight_tree[1]``):
 4. ``times_sampled`` scatter-add, counters, ``info.probability = w / T``.
 
 ``info.slot`` is returned data-dependent on every read of ``priority`` and
-of the weight tree in this call (``inplace.after``), so a following
+of the weight tree in this call (``uniform_lean.finish``), so a following
 ``update_priorities(slots=info.slot, ...)`` in the same program updates both
 in place: XLA orders by data dependencies only, and would otherwise copy.
 
@@ -34,14 +34,10 @@ which runs it on the masked tree).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
-from jax import lax
 
 from funcreplay.core import indexes, inplace, numerics, trees
 from funcreplay.core import selectors as sel
-from funcreplay.core.inplace import after
 from funcreplay.core.sampling import exact
 from funcreplay.core.sampling import uniform_lean as uniform
 from funcreplay.core.spec import TableSpec
@@ -79,9 +75,6 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   # (else XLA copies occ_tree).
   size, zero = inplace.once((state.size, indexes.zero_weight_count(spec, state)))
   num_eligible = size - zero
-  state, out = uniform.finish(spec, state, slot, valid, prob, num_eligible, version)
-  # Order every read of priority / the trees before a later update_priorities.
-  flag = (jnp.sum(lax.bitcast_convert_type(out.info.priority + prob, jnp.uint32),
-                  dtype=jnp.uint32) + (size + zero).astype(jnp.uint32))
-  info = dataclasses.replace(out.info, slot=after(out.info.slot, flag))
-  return state, dataclasses.replace(out, info=info)
+  # finish orders every read (these included) before a later insert / update_priorities.
+  return uniform.finish(spec, state, slot, valid, prob, num_eligible, version,
+                        reads=(size, zero))

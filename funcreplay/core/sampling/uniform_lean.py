@@ -33,10 +33,12 @@ floor((hi_i * 2**32 + lo_i) * N / 2**64)``, used as ``x_i`` directly).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from funcreplay.core import bits, trees
+from funcreplay.core import bits, inplace, trees
 from funcreplay.core import ledger_update as ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
@@ -168,11 +170,23 @@ def gather_rows(state: TableState, slot, valid):
   return jax.tree_util.tree_map(rows, state.data)
 
 
-def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, version):
+def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, version,
+           reads=()):
   """The bookkeeping of a sample without a reuse limit: ``(state, Sample)``.
 
   ``slot`` int32[B] in range (any value where not ``valid``), ``prob``
   float32[B]; ``replace``-drawn duplicates are fine (the scatter adds).
+  ``reads``: arrays the caller read from the state's columns or trees that
+  feed neither ``slot`` nor the returned sample (see "Ordered" below).
+
+  Ordered: the returned state's ledger (``write_pos``, behind every write of a
+  following ``insert``) and ``info.slot`` (the slots of a following
+  ``update_priorities``) are data-dependent on every read of this call (the
+  gathered rows and info columns, through ``inplace.witness``). XLA orders by
+  data dependencies only: without this, a later write in place of a column
+  this call read (``insert`` writes them all) would make XLA copy the column,
+  O(C) per call. An ``update_priorities`` at slots other than ``info.slot``
+  is not ordered (a copy of ``priority``).
   """
   cap = spec.capacity
   data = gather_rows(state, slot, valid)
@@ -183,8 +197,6 @@ def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, 
   if version is not None:
     stale = jnp.maximum(jnp.asarray(version, jnp.int32) - item_version, 0)
     adds["sampled_staleness_sum"] = ledger.total(stale, valid)
-  state = ledger.update(state.replace(times_sampled=times), adds, dict(
-      limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, sampled=n_valid)))
   info = SampleInfo(
       slot=jnp.where(valid, slot, -1),
       key=jnp.where(valid, state.key[slot], jnp.uint32(0)),
@@ -193,6 +205,11 @@ def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, 
       # Read after the increment: ordered after the scatter, so it stays in place.
       times_sampled=jnp.where(valid, times[slot], 0),
       version=jnp.where(valid, item_version, 0))
+  flag = inplace.witness((data, info, reads))
+  state = ledger.update(state.replace(times_sampled=times), adds, dict(
+      limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, sampled=n_valid),
+      write_pos=inplace.after(state.write_pos, flag)))
+  info = dataclasses.replace(info, slot=inplace.after(info.slot, flag))
   return state, Sample(data=data, valid=valid, info=info, num_eligible=num_eligible)
 
 
@@ -210,7 +227,9 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   if not applies(spec, version=version):
     raise ValueError("lean uniform sample: needs a Uniform sampler, max_times_sampled=0 and "
                      "no staleness mask.")
-  n = state.size
+  # The size (occ_tree[1], a slice XLA re-fuses into each consumer) read once, so that
+  # every use of it is ordered before a later insert's tree write (see ``finish``).
+  n = inplace.once(state.size)
   x, valid = positions(rng, n, b, replace, spec.capacity)
   # Materialized twice: the positions feed every level of the descent, the
   # slots every gathered element (see ``materialize``).
