@@ -116,17 +116,13 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
   raises ``ValueError`` / ``TypeError`` naming the problem and leaves the
   table unchanged.
 
-  Randomness: one host PRNG key (seeded by ``seed``) is split by every
-  successful ``sample`` (and every insert with a ``Uniform`` remover), so the
-  same sequence of calls on tables with the same seed gives the same samples,
-  with the native CPU kernels or without (``native``: True / False, or None to
-  read ``FUNCREPLAY_NATIVE`` when the table's programs are built; the kernels
-  follow the portable programs bit for bit).
+  Randomness: one host PRNG key (``seed``) is split by every successful ``sample``
+  (and insert with a ``Uniform`` remover): the same calls on tables with the same seed
+  give the same samples, with the native kernels or without (``native``: True / False,
+  or None: ``FUNCREPLAY_NATIVE`` when the programs are built; they agree bit for bit).
 
-  Checkpoints: ``save(path)`` quiesces the table only for the snapshot: it
-  takes the lock just long enough to copy the state (``snapshot()``), then
-  writes without holding it, so inserters and samplers continue meanwhile.
-  ``load(path)`` restores a checkpoint into this table (same spec).
+  Checkpoints: ``save(path)`` holds the lock only to copy the state (``snapshot()``),
+  then writes without it. ``load(path)`` restores a checkpoint into this table.
 
   Ragged leaves, payloads (``payloads=True``), ``take_batch`` / ``is_ready`` / ``peek``:
   ``funcreplay.host.rollout`` (README "Rollout groups for LLM RL").
