@@ -411,12 +411,14 @@ def test_calls_after_close_raise_and_writers_fail_loudly():
   for call in (rt.count, rt.stats, lambda: rt.sample(1, timeout=1.0), lambda: rt.insert(batch(1))):
     with pytest.raises(frr.TableUnavailableError, match="is gone"):
       call()
-  for i in range(1, 4):                              # the 4th put ships the batch
+  for i in range(1, 3):
     w.put(item(i))
   with pytest.raises(frr.WriterError, match="failed") as e:
-    w.flush(timeout=WAIT_S)
+    w.put(item(3))                                   # the 4th put ships the batch: refused
   assert isinstance(e.value.__cause__, frr.TableUnavailableError)
-  assert w.stats().failed == 4
+  assert w.stats().failed == 4                       # counted, not lost silently
+  with pytest.raises(frr.WriterError, match="failed"):
+    w.flush(timeout=WAIT_S)
   with pytest.raises(frr.WriterError):
     w.put(item(5))
   with pytest.raises(frr.WriterError):

@@ -5,6 +5,7 @@ Shared by the clients (``client``, ``writer``, ``prefetch``).
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from funcreplay.core.packing import PackedSample
@@ -15,6 +16,13 @@ from funcreplay.ray.errors import TableUnavailableError
 RPC_SLACK_S = 30.0
 # Default bound on calls that never wait on the table (stats, count, set_version, ...).
 RPC_TIMEOUT_S = 60.0
+# How long close() waits for Ray to report a killed actor dead: ``ray.kill`` only asks
+# the raylet, and a call sent before it acts still reaches the closed table (which
+# answers ``TableClosedError``, not ``TableUnavailableError``). Dying takes well under
+# a second on an idle node; 2-core CI under load was seen past one second.
+KILL_WAIT_S = 30.0
+# Pause between the liveness probes of wait_dead.
+_PROBE_S = 0.05
 
 
 def require_ray():
@@ -52,6 +60,25 @@ def wait_reply(ref, timeout: Optional[float], what: str, name: str):
         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}). If it was created with "
         "max_restarts it may be restarting (from its newest checkpoint, with checkpoint_dir): "
         "later calls on the same handle reach it once it is back.") from e
+
+
+def wait_dead(actor, timeout: float) -> bool:
+  """Wait until calls to ``actor`` fail with Ray's actor-death error (True), or ``timeout``
+  seconds pass (False: it is still shutting down; later calls may meet the closed table)."""
+  ray = require_ray()
+  from ray import exceptions as rex
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    try:
+      ray.get(actor.info.remote(), timeout=max(0.1, deadline - time.monotonic()))
+    except (rex.RayActorError, rex.ActorUnavailableError):
+      return True
+    except rex.GetTimeoutError:
+      return False
+    except Exception:  # noqa: BLE001 (the closed table's own error: not dead yet)
+      pass
+    time.sleep(_PROBE_S)
+  return False
 
 
 def as_sample(result):

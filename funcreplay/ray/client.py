@@ -19,7 +19,8 @@ from funcreplay.checkpoint.spec_codec import spec_from_json, spec_to_json
 from funcreplay.core.spec import TableSpec
 from funcreplay.host import validation
 from funcreplay.ray import server
-from funcreplay.ray.calls import RPC_SLACK_S, RPC_TIMEOUT_S, as_sample, require_ray, wait_reply
+from funcreplay.ray.calls import (KILL_WAIT_S, RPC_SLACK_S, RPC_TIMEOUT_S, as_sample, require_ray,
+                                  wait_dead, wait_reply)
 from funcreplay.ray.errors import TableUnavailableError
 from funcreplay.ray.prefetch import Prefetcher
 from funcreplay.ray.writer import RemoteWriter
@@ -111,6 +112,7 @@ class RemoteTable:
     self.spec: TableSpec = spec_from_json(info["spec_json"])
     self.info = info
     self._rpc_timeout = rpc_timeout
+    self._closed = False  # set by close(): this handle's later calls fail fast
 
   def __reduce__(self):
     return (RemoteTable, (self._actor, self.name, self.namespace, self.info, self._rpc_timeout))
@@ -133,6 +135,10 @@ class RemoteTable:
 
   def submit(self, method: str, *args, **kwargs):
     """Submit actor method ``method`` (a ``TableServer`` method); its Ray ``ObjectRef``."""
+    if self._closed:
+      raise TableUnavailableError(f"RemoteTable.{method}: the replay actor {self.name!r} is gone "
+                                  "(this handle closed it); connect() with a spec to make a new "
+                                  "one.")
     try:
       return getattr(self._actor, method).remote(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 (a dead handle may fail at submission)
@@ -251,15 +257,20 @@ class RemoteTable:
             timeout: Optional[float] = "rpc") -> None:
     """Shut the service down: close the table (waiting calls end with
     ``TableClosedError``), optionally save a last checkpoint, then kill the actor (no
-    restart). Later calls raise ``TableUnavailableError``. Idempotent."""
+    restart) and wait (up to ``KILL_WAIT_S``) until Ray reports it dead, so that later
+    calls, on this handle or any other, raise ``TableUnavailableError``. Idempotent."""
     ray = require_ray()
+    if self._closed:
+      return
     try:
       self._call("close", final_save, timeout=timeout, what="RemoteTable.close")
     except TableUnavailableError:
       pass  # already gone
     finally:
       if kill:
+        self._closed = True
         try:
           ray.kill(self._actor, no_restart=True)
         except Exception:  # noqa: BLE001 (already dead)
           pass
+        wait_dead(self._actor, KILL_WAIT_S)

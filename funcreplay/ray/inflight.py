@@ -40,7 +40,12 @@ class InFlightBatches:
     self._raise_if_failed(what)
     entries, self._buf = self._buf, []
     batch = batching.stack_entries(entries, self._sig, self._columns)
-    ref = self._table.submit("insert_batch", *batch)
+    try:
+      ref = self._table.submit("insert_batch", *batch)
+    except TableUnavailableError as e:  # a closed handle or a dead actor: counted, not lost
+      self._failed += len(entries)
+      self._error = self._error or e
+      raise self._wrapped(what)  # its __cause__ is the error
     self._inflight.append((ref, len(entries)))
     return True
 
