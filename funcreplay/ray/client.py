@@ -19,8 +19,15 @@ from funcreplay.checkpoint.spec_codec import spec_from_json, spec_to_json
 from funcreplay.core.spec import TableSpec
 from funcreplay.host import validation
 from funcreplay.ray import server
-from funcreplay.ray.calls import (KILL_WAIT_S, RPC_SLACK_S, RPC_TIMEOUT_S, as_sample, require_ray,
-                                  wait_dead, wait_reply)
+from funcreplay.ray.calls import (
+  KILL_WAIT_S,
+  RPC_SLACK_S,
+  RPC_TIMEOUT_S,
+  as_sample,
+  require_ray,
+  wait_dead,
+  wait_reply,
+)
 from funcreplay.ray.errors import TableUnavailableError
 from funcreplay.ray.prefetch import Prefetcher
 from funcreplay.ray.writer import RemoteWriter

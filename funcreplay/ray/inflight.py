@@ -45,7 +45,7 @@ class InFlightBatches:
     except TableUnavailableError as e:  # a closed handle or a dead actor: counted, not lost
       self._failed += len(entries)
       self._error = self._error or e
-      raise self._wrapped(what)  # its __cause__ is the error
+      raise self._wrapped(what) from e
     self._inflight.append((ref, len(entries)))
     return True
 
