@@ -36,6 +36,7 @@ from funcreplay.core.selectors import (
 from funcreplay.core.signature import Signature, check_items
 from funcreplay.core.spec import TableSpec, queue, stack
 from funcreplay.core.state import Sample, SampleInfo, TableState, state_counters
+from funcreplay.core.storage import stored_items
 from funcreplay.core.trajectory import (
   TrajectorySpec,
   TrajectoryState,
@@ -112,4 +113,5 @@ __all__ = [
     "GroupWriter",
     "TrajectorySpec", "TrajectoryState", "TrajectoryTable", "make_trajectory_table",
     "n_step_returns", "n_step_target", "save_trajectory", "restore_trajectory",
+    "stored_items",
 ]

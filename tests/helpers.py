@@ -16,6 +16,15 @@ from funcreplay.native import executor
 ITEM = {"x": jax.ShapeDtypeStruct((), jnp.int32), "y": jax.ShapeDtypeStruct((2,), jnp.float32)}
 
 
+def stored(state, signature=ITEM):
+  """The items ``state`` holds as ``signature``'s pytree (every leaf ``[C, ...]``), whatever
+  its storage (``fr.stored_items``): packed rows are one array, columns a pytree."""
+  kind = "rows" if isinstance(state.data, (jax.Array, np.ndarray)) and len(
+      jax.tree_util.tree_leaves(signature)) > 1 else "columns"
+  cap = int(np.shape(state.occupied)[-1])
+  return fr.stored_items(fr.TableSpec(cap, signature, storage=kind), state)
+
+
 def require_native_kernels():
   """Skip (disabled by FUNCREPLAY_NATIVE, or no C++ compiler) or fail (a compiler
   exists but the kernels do not build) unless the native kernels are available."""

@@ -430,7 +430,8 @@ def test_capacity_growth_fifo_ring_keeps_order(tmp_path):
   # Ring unrolled from write_pos (oldest-written slot first), the hole kept in place.
   np.testing.assert_array_equal(st_b.occupied, [1, 0, 1, 1, 1, 1, 0, 0, 0, 0])
   np.testing.assert_array_equal(st_b.key[[0, 2, 3, 4, 5]], [2, 4, 5, 6, 7])
-  np.testing.assert_array_equal(st_b.data["act"][[0, 2, 3, 4, 5]], [2, 4, 5, 6, 7])
+  np.testing.assert_array_equal(fr.stored_items(spec, st_b)["act"][[0, 2, 3, 4, 5]],
+                                [2, 4, 5, 6, 7])
   assert int(st_b.write_pos) == 6 and b.size == 5
   assert b.stats().to_dict()["inserts"] == 8 and b.stats().to_dict()["deletes"] == 1
   for k in range(3):  # keys 8..11 fill slots 6..9, key 12 evicts the oldest (2), 13 the hole

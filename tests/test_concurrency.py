@@ -157,7 +157,7 @@ def run_mixed_load(seconds: float, seed: int = 0):
   assert len(inserted) == d["inserts"], "an id was inserted twice"
   snap = t.snapshot()
   occ = np.asarray(snap.occupied)
-  present = np.asarray(snap.data["x"])[occ].tolist()
+  present = np.asarray(fr.stored_items(t.spec, snap)["x"])[occ].tolist()
   assert len(present) == len(set(present)) == d["size"], "duplicate item in the table"
   keys = np.asarray(snap.key)[occ].tolist()
   assert len(set(keys)) == len(keys)

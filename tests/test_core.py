@@ -243,7 +243,8 @@ def test_masked_insert_rows_are_not_inserted():
   state = f["insert"](f["table"].init(), items_from_ids([5, 6, 7, 8]), version=0,
                       mask=np.array([True, False, True, False]))
   assert int(state.size) == 2
-  assert sorted(np.asarray(state.data["x"])[np.asarray(state.occupied)].tolist()) == [5, 7]
+  x = np.asarray(fr.stored_items(spec, state)["x"])
+  assert sorted(x[np.asarray(state.occupied)].tolist()) == [5, 7]
   assert counters_dict(state)["inserts"] == 2
 
 

@@ -44,7 +44,8 @@ def contents(table):
   occ = np.asarray(s.occupied)
   order = np.argsort(np.asarray(s.key)[occ], kind="stable")
   col = lambda a: np.asarray(a)[occ][order]  # noqa: E731
-  out = dict(x=col(s.data["x"]), y=col(s.data["y"]), version=col(s.version),
+  items = fr.stored_items(table.spec, s)
+  out = dict(x=col(items["x"]), y=col(items["y"]), version=col(s.version),
              priority=col(s.priority))
   out.update({k: col(v) for k, v in s.metadata.items()})
   return out

@@ -85,7 +85,7 @@ def test_donated_insert_keeps_every_column_buffer():
   for i in range(1, 80):  # 80 * 64 > CAP: the FIFO ring evicts
     s = insert(s, _rows(64, i * 64), i)
   assert big(s) == before
-  np.testing.assert_array_equal(np.asarray(s.data["a"])[(79 * 64) % CAP], 79 * 64)
+  np.testing.assert_array_equal(fr.stored_items(spec, s)["a"][(79 * 64) % CAP], 79 * 64)
 
 
 def _sample_cases():

@@ -155,7 +155,7 @@ def test_state_and_outputs_match_portable_bookkeeping(cap, filled, b, replace, m
       return sampling.finish(spec, s, picked, prob, n_elig, ver, replace)
 
     ref_state, ref_out = jax.jit(expected)(st, picked)
-    assert_states_equal(new, ref_state, "state")
+    assert_states_equal(spec, new, ref_state, "state")
     for path, a, e in zip(jax.tree_util.tree_leaves_with_path(out),
                           jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref_out)):
       name = f"sample{jax.tree_util.keystr(path[0])}"
@@ -182,10 +182,10 @@ def test_state_and_outputs_match_portable_bookkeeping(cap, filled, b, replace, m
     st = new
 
 
-def assert_states_equal(a, b, what):
+def assert_states_equal(spec, a, b, what):
   """Leaf for leaf, bit for bit; the ledger unpacked, so a failure names the counter."""
-  la = jax.tree_util.tree_leaves_with_path(record.to_record(a))
-  lb = jax.tree_util.tree_leaves(record.to_record(b))
+  la = jax.tree_util.tree_leaves_with_path(record.to_record(a, spec))
+  lb = jax.tree_util.tree_leaves(record.to_record(b, spec))
   assert len(la) == len(lb)
   for (path, x), y in zip(la, lb):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
@@ -334,7 +334,7 @@ def test_insert_and_update_are_bit_identical_to_portable(spec_i, ops_):
     elif spec.max_staleness is not None:
       v = jnp.int32(rng.integers(0, 6))
       s_nat, s_por = nat["evict"](s_nat, v), por["evict"](s_por, v)
-    assert_states_equal(s_nat, s_por, f"{op}: state")
+    assert_states_equal(spec, s_nat, s_por, f"{op}: state")
   assert_trees_consistent(spec, s_nat)
 
 
@@ -473,7 +473,8 @@ def test_sample_kernel_refuses_a_reordered_operand():
   params = jnp.zeros((2,), jnp.int32)
   attrs = dict(batch_size=2, capacity=16, replace=False, max_times_sampled=0,
                has_version=False, max_staleness=-1, split_key=False,
-               packed=np.array([-1], np.int64), ledger=native.ledger_attr(spec))
+               packed=np.array([-1], np.int64), ledger=native.ledger_attr(spec),
+               fields=np.zeros((0,), np.int64))
 
   def call(operands, state_ops):
     out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops]

@@ -41,13 +41,14 @@ def _spec(sampler, remover, max_times):
 def _compare(spec, ref: RefTable, state):
   state = jax.device_get(state)
   occ = np.asarray(state.occupied)
+  items = fr.stored_items(spec, state)
   assert occ.tolist() == ref.occ
   for s in np.flatnonzero(occ):
     assert int(state.key[s]) == ref.key[s], f"slot {s} key"
     assert int(state.version[s]) == ref.version[s]
     assert int(state.times_sampled[s]) == ref.times[s]
     assert float(state.priority[s]) == pytest.approx(ref.prio[s])
-    assert int(state.data["x"][s]) == ref.payload[s]
+    assert int(items["x"][s]) == ref.payload[s]
     assert int(state.metadata["task"][s]) == ref.meta["task"][s]
   assert int(state.next_key) == ref.next_key
   got = counters_dict(state)

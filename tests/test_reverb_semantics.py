@@ -19,7 +19,14 @@ from scipy import stats as sstats
 import funcreplay as fr
 from funcreplay import checkpoint
 from funcreplay.checkpoint import format as fmt
-from tests.helpers import ITEM, assert_trees_consistent, counters_dict, items_from_ids, jitted
+from tests.helpers import (
+  ITEM,
+  assert_trees_consistent,
+  counters_dict,
+  items_from_ids,
+  jitted,
+  stored,
+)
 
 # Every test here runs against both implementations (see conftest.py).
 pytestmark = pytest.mark.usefixtures("both_implementations")
@@ -32,7 +39,7 @@ P_MIN = 1e-4
 def _ids(state):
   """Item ids (payload ``x``) held by the table, as a set."""
   state = jax.device_get(state)
-  return set(np.asarray(state.data["x"])[np.asarray(state.occupied)].tolist())
+  return set(np.asarray(stored(state)["x"])[np.asarray(state.occupied)].tolist())
 
 
 def _insert_one_by_one(spec, ids, priorities=None, rng=None):
@@ -101,7 +108,7 @@ def test_uniform_remover_draws_the_victim_among_capacity_plus_one():
   @jax.jit
   def missing(key):
     st = table.insert(full, items_from_ids([c]), rng=key)
-    present = jnp.zeros((c + 1,), bool).at[st.data["x"]].set(st.occupied)
+    present = jnp.zeros((c + 1,), bool).at[fr.stored_items(spec, st)["x"]].set(st.occupied)
     return jnp.argmin(present)
 
   victims = np.asarray(jax.vmap(missing)(jax.random.split(jax.random.PRNGKey(0), n)))

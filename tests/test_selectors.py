@@ -13,7 +13,7 @@ from scipy import stats as sstats
 
 import funcreplay as fr
 from funcreplay.core import indexes
-from tests.helpers import ITEM, counters_dict, items_from_ids, jitted
+from tests.helpers import ITEM, counters_dict, items_from_ids, jitted, stored
 
 # Every test here runs against both implementations (see conftest.py).
 pytestmark = pytest.mark.usefixtures("both_implementations")
@@ -201,7 +201,7 @@ def test_removers_when_full(remover):
                       rng=jax.random.PRNGKey(0))
   state = f["insert"](state, items_from_ids([10]), version=0,
                       priority=np.array([2.5], np.float32), rng=jax.random.PRNGKey(1))
-  live = sorted(np.asarray(state.data["x"])[np.asarray(state.occupied)].tolist())
+  live = sorted(np.asarray(stored(state)["x"])[np.asarray(state.occupied)].tolist())
   # The incoming item is a candidate too (Reverb inserts, then evicts): Lifo evicts it.
   gone = {fr.Lifo: 10, fr.MinHeap: 1, fr.MaxHeap: 2}.get(type(remover))
   if gone is not None:

@@ -115,12 +115,12 @@ def test_record_keeps_the_checkpoint_leaf_names():
   """The on-disk names of checkpoints written before the ledger existed."""
   spec = fr.TableSpec(8, ITEM, metadata=("task",))
   s = jax.device_get(fr.make_table(spec).init())
-  rec = record.to_record(s)
+  rec = record.to_record(s, spec)
   names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(rec)]
   assert names[-13:] == [".write_pos", ".next_key", ".max_priority", ".limiter_diff"] + [
       f".counters['{k}']" for k in sorted(ledger_lib.COUNTERS)]
   assert ".metadata['task']" in names and ".occupied" in names
-  back = record.from_record(rec)
+  back = record.from_record(rec, spec)
   assert isinstance(back.ledger, np.ndarray)  # host states stay on the host
   np.testing.assert_array_equal(back.ledger, s.ledger)
   for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(s)):

@@ -68,7 +68,7 @@ def _expected(spec: TableSpec, num_shards: Optional[int]) -> Tuple[Any, Tuple[An
   """``(treedef, ((leaf name, shape, np.dtype), ...))`` of a state of ``spec``."""
   local = spec if num_shards is None else spec.replace(capacity=spec.capacity // num_shards)
   # On disk: the ledger unpacked (record.StateRecord), one array per scalar/counter.
-  shapes = jax.eval_shape(lambda: record.to_record(state_lib.init_state(local)))
+  shapes = jax.eval_shape(lambda: record.to_record(state_lib.init_state(local), local))
   leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
   lead = () if num_shards is None else (num_shards,)
   return treedef, tuple((_leaf_name(p), lead + tuple(s.shape), np.dtype(s.dtype))
@@ -98,7 +98,13 @@ def _check_state(state: TableState, spec: TableSpec, num_shards: Optional[int]) 
   if tuple(np.shape(state.ledger)) != want or np.dtype(state.ledger.dtype) != np.uint32:
     raise ValueError(f"save: state.ledger is {np.dtype(state.ledger.dtype).name}"
                      f"{list(np.shape(state.ledger))}, the spec needs uint32{list(want)}.")
-  got, got_def = jax.tree_util.tree_flatten_with_path(record.to_record(state))
+  nlead = 1 if num_shards is None else 2
+  try:  # shapes only: nothing is unpacked here
+    got_record = jax.eval_shape(lambda s: record.to_record(s, spec, nlead), state)
+  except (TypeError, ValueError, AttributeError) as e:
+    raise ValueError(f"save: state.data does not match the spec's storage "
+                     f"{spec.storage!r} (funcreplay.core.storage): {e}") from None
+  got, got_def = jax.tree_util.tree_flatten_with_path(got_record)
   if got_def != treedef:
     raise ValueError(f"save: the state's structure does not match the spec.\n  expected: "
                      f"{treedef}\n  got:      {got_def}")
@@ -155,7 +161,8 @@ def save(path, state: TableState, spec: TableSpec, *, extra: Any = None,
     # return at once: synchronise (multihost_utils.sync_global_devices)
     # before reading the checkpoint elsewhere.
     return os.path.abspath(os.fspath(path))
-  leaves, _ = jax.tree_util.tree_flatten_with_path(record.to_record(host_np))
+  leaves, _ = jax.tree_util.tree_flatten_with_path(
+      record.to_record(host_np, spec, 1 if num_shards is None else 2))
   arrays, rows_entry = rows.pack([(_leaf_name(p), np.asarray(x)) for p, x in leaves])
   arrays = list(arrays) + list(sidecar)
   header = {
@@ -362,7 +369,8 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
                        [full[n] for n in names], rows_entry, mpath)
   arrays = _add_derived(arrays, manifest, saved_spec, num_shards)
   state = _zero_weight_count(saved_spec, record.from_record(
-      jax.tree_util.tree_unflatten(treedef, arrays)))
+      jax.tree_util.tree_unflatten(treedef, arrays), saved_spec,
+      1 if num_shards is None else 2))
   if spec.capacity != saved_spec.capacity:
     state = (migrate.grow(saved_spec, spec, state) if num_shards is None
              else migrate.grow_sharded(saved_spec, spec, state, num_shards))

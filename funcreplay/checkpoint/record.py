@@ -1,11 +1,14 @@
-"""``StateRecord``: a ``TableState`` with the ledger unpacked, as checkpoints store it."""
+"""``StateRecord``: a ``TableState`` with the ledger unpacked and the items as columns, as
+checkpoints store it."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Dict
 
+from funcreplay.core import storage
 from funcreplay.core.ledger import LEDGER_FIELDS, ledger_fields, pack_ledger
+from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState, register_dataclass
 
 
@@ -44,13 +47,18 @@ class StateRecord:
 _COLUMN_FIELDS = tuple(f.name for f in dataclasses.fields(TableState) if f.name != "ledger")
 
 
-def to_record(state: TableState) -> StateRecord:
-  """``state`` with its ledger unpacked (numpy in, numpy out)."""
-  return StateRecord(**{name: getattr(state, name) for name in _COLUMN_FIELDS},
-                     **ledger_fields(state))
+def to_record(state: TableState, spec: TableSpec, nlead: int = 1) -> StateRecord:
+  """``state`` with its ledger unpacked and its items as one array per signature leaf
+  (``storage.to_columns``: checkpoints do not depend on ``spec.storage`` either).
+  ``nlead``: slot axes (2 for a sharded state). Numpy in, numpy out."""
+  fields = {name: getattr(state, name) for name in _COLUMN_FIELDS}
+  fields["data"] = storage.to_columns(spec, state.data, nlead)
+  return StateRecord(**fields, **ledger_fields(state))
 
 
-def from_record(record: StateRecord) -> TableState:
-  """The ``TableState`` of a ``StateRecord`` (the inverse of ``to_record``)."""
-  return TableState(**{name: getattr(record, name) for name in _COLUMN_FIELDS},
+def from_record(record: StateRecord, spec: TableSpec, nlead: int = 1) -> TableState:
+  """The ``TableState`` of a ``StateRecord`` for ``spec`` (the inverse of ``to_record``)."""
+  fields = {name: getattr(record, name) for name in _COLUMN_FIELDS}
+  fields["data"] = storage.from_columns(spec, record.data, nlead)
+  return TableState(**fields,
                     ledger=pack_ledger(**{name: getattr(record, name) for name in LEDGER_FIELDS}))

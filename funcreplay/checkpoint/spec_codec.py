@@ -25,6 +25,7 @@ import numpy as np
 from funcreplay.checkpoint.errors import CheckpointError
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
+from funcreplay.core import storage
 from funcreplay.core.columns import Column, Ragged
 from funcreplay.core.signature import Signature
 from funcreplay.core.spec import TableSpec
@@ -116,6 +117,8 @@ def spec_to_json(spec: TableSpec) -> Dict[str, Any]:
     out["columns"] = [c.to_json() for c in spec.columns]
   if spec.ragged:
     out["ragged"] = [{"leaf": i, **r.to_json()} for i, r in spec.ragged]
+  if spec.storage != storage.resolve(spec.signature, None, bool(spec.ragged)):
+    out["storage"] = spec.storage  # chosen, not picked (a layout only: restores ignore it)
   return out
 
 
@@ -140,6 +143,7 @@ def spec_from_json(obj) -> TableSpec:
         rate_limiter=limiter_from_json(obj["rate_limiter"]),
         metadata=metadata,
         default_priority=obj["default_priority"],
+        storage=obj.get("storage"),
     )
   except CheckpointError:
     raise

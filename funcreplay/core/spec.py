@@ -15,6 +15,7 @@ import jax
 
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
+from funcreplay.core import storage as storage_lib
 from funcreplay.core.columns import LENGTH_DTYPE, Column, Ragged
 from funcreplay.core.signature import Signature, as_signature
 
@@ -46,6 +47,12 @@ class TableSpec:
       values). Empty without ragged leaves.
     default_priority: priority of items inserted without one; None means the
       largest priority seen so far (1.0 on a fresh table), as in PER.
+    storage: how ``state.data`` holds the items: ``"rows"`` (every leaf of an item
+      packed into one row of uint32 words: one write per insert, one gather per
+      sample) or ``"columns"`` (one array per leaf). The constructor's None picks
+      ``"rows"`` when every leaf is 4 bytes wide and there are two or more, else
+      ``"columns"`` (``funcreplay.core.storage``). A layout only: batches and
+      checkpoints are the same either way.
   """
 
   capacity: int
@@ -59,11 +66,12 @@ class TableSpec:
   default_priority: Optional[float]
   columns: Tuple[Column, ...]
   ragged: Tuple[Tuple[int, Ragged], ...]
+  storage: str
 
   def __init__(self, capacity: int, signature: Any, sampler: Any = None, remover: Any = None,
                max_times_sampled: int = 0, max_staleness: Optional[int] = None,
                rate_limiter: Optional[rl.RateLimiter] = None, metadata=(),
-               default_priority: Optional[float] = None):
+               default_priority: Optional[float] = None, storage: Optional[str] = None):
     if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity < 2**30:
       raise ValueError(f"TableSpec.capacity must be an int in [1, 2**30), got {capacity!r}.")
     sampler = sel.Uniform() if sampler is None else sampler
@@ -106,11 +114,12 @@ class TableSpec:
                        f"got {default_priority!r}.")
     signature, ragged = _split_ragged(signature)
     sig = as_signature(signature)
+    storage = storage_lib.resolve(sig, storage, bool(ragged))
     for k, v in dict(capacity=capacity, signature=sig, sampler=sampler, remover=remover,
                      max_times_sampled=max_times_sampled, max_staleness=max_staleness,
                      rate_limiter=rate_limiter, metadata=metadata,
                      default_priority=None if default_priority is None else float(default_priority),
-                     columns=columns, ragged=ragged).items():
+                     columns=columns, ragged=ragged, storage=storage).items():
       object.__setattr__(self, k, v)
 
   def replace(self, **changes) -> "TableSpec":
@@ -118,6 +127,9 @@ class TableSpec:
     fields.update(signature=self.item_tree if self.ragged else self.signature,
                   metadata=self.columns)
     del fields["columns"], fields["ragged"]
+    if "signature" in changes and "storage" not in changes \
+        and self.storage == storage_lib.resolve(self.signature, None, bool(self.ragged)):
+      fields["storage"] = None  # picked for the old signature: pick again for the new one
     fields.update(changes)
     return TableSpec(**fields)
 
@@ -153,6 +165,11 @@ class TableSpec:
     priority update)."""
     heaps = (sel.MinHeap, sel.MaxHeap)
     return isinstance(self.sampler, heaps) or isinstance(self.remover, heaps)
+
+  @property
+  def packed_rows(self) -> bool:
+    """True when ``state.data`` is one ``uint32[C, R]`` array of packed rows (static)."""
+    return self.storage == "rows"
 
   @property
   def prioritized(self) -> bool:

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import signature as sig_lib
-from funcreplay.core import staleness
+from funcreplay.core import staleness, storage
 from funcreplay.core.ledger import COUNTER_SLOTS as _COUNTER_SLOTS
 from funcreplay.core.ledger import COUNTERS, LEDGER_FIELDS, ledger_fields, pack_ledger
 from funcreplay.core.ledger import SLOTS as _SLOTS
@@ -36,7 +35,9 @@ class TableState:
   """The whole table as a pytree of preallocated arrays (C = capacity, P = tree size).
 
   Attributes:
-    data: the item pytree with a leading ``[C]`` axis on every leaf.
+    data: the items as ``spec.storage`` lays them out: ``uint32[C, R]`` packed rows
+      (``"rows"``) or the item pytree with a leading ``[C]`` axis on every leaf
+      (``"columns"``); ``funcreplay.core.storage``.
     occupied: bool[C].
     key: uint32[C], the item's unique id (its insertion index modulo 2**32).
     version: int32[C], the policy version that produced the item.
@@ -182,7 +183,7 @@ def init_state(spec: TableSpec) -> TableState:
   c, p = spec.capacity, spec.tree_size
   version_hist, version_bounds = staleness.empty(spec)
   state = TableState(
-      data=sig_lib.zeros(spec.signature, (c,)),
+      data=storage.empty(spec.signature, spec.packed_rows, (c,)),
       occupied=jnp.zeros((c,), bool),
       key=jnp.zeros((c,), jnp.uint32),
       version=jnp.zeros((c,), jnp.int32),

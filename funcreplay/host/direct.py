@@ -49,7 +49,7 @@ from funcreplay.core import packing
 from funcreplay.core.spec import TableSpec
 from funcreplay.native import build
 
-_ABI_VERSION = 4  # direct.cc's kAbiVersion
+_ABI_VERSION = 5  # direct.cc's kAbiVersion
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -63,9 +63,9 @@ class SampleArgs(ctypes.Structure):
       "abi", "batch", "capacity", "replace", "max_times_sampled", "n_data", "version",
       "min_valid", "max_staleness", "min_size", "has_min_diff", "q", "q_min", "tree_nodes",
       "hist_size", "ledger_words", "out_bytes")] + [(name, _PTR) for name in (
-      "row_bytes", "packed", "ledger_layout", "key", "occupied", "keys", "versions", "times",
-      "priority", "occ_tree", "weight_tree", "ledger", "hist", "bounds", "out", "data",
-      "flags")]
+      "row_bytes", "src_stride", "packed", "ledger_layout", "key", "occupied", "keys",
+      "versions", "times", "priority", "occ_tree", "weight_tree", "ledger", "hist", "bounds",
+      "out", "data", "flags")]
 
 
 class UpdateArgs(ctypes.Structure):
@@ -149,6 +149,13 @@ class DirectSampler:
     self._row_bytes = np.array(
         [int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
          for x in spec.signature.leaves], np.int64)
+    # Each field's place in a stored item: its own array (offset 0, stride = its bytes),
+    # or inside one packed row of storage.width words (core.storage).
+    self._field_at = np.zeros(n_data, np.int64)
+    self._src_stride = self._row_bytes.copy()
+    if spec.packed_rows:
+      self._field_at[1:] = np.cumsum(self._row_bytes)[:-1]
+      self._src_stride[:] = int(self._row_bytes.sum())
     self._ledger_layout = np.asarray(ledger_layout, np.int64)
     self._data_ptrs = np.zeros(max(n_data, 1), np.uint64)
     self._flags = np.zeros(3, np.int32)
@@ -164,6 +171,7 @@ class DirectSampler:
     if a.has_min_diff:  # rate_limiters.RateLimiter.can_sample: ceil(min_diff * q)
       a.q_min = lim.q_min
     a.row_bytes = self._row_bytes.ctypes.data
+    a.src_stride = self._src_stride.ctypes.data
     a.ledger_layout = self._ledger_layout.ctypes.data
     a.data = self._data_ptrs.ctypes.data
     a.flags = self._flags.ctypes.data
@@ -213,8 +221,9 @@ class DirectSampler:
     a.ledger = u.ledger = _pointer(state.ledger)
     a.hist = _pointer(state.version_hist)
     a.bounds = _pointer(state.version_bounds)
-    for d, leaf in enumerate(jax.tree_util.tree_leaves(state.data)):
-      self._data_ptrs[d] = _pointer(leaf)
+    leaves = jax.tree_util.tree_leaves(state.data)
+    for d, at in enumerate(self._field_at):
+      self._data_ptrs[d] = _pointer(leaves[0 if self.spec.packed_rows else d]) + int(at)
     a.tree_nodes = state.occ_tree.shape[0]
     a.hist_size = state.version_hist.shape[0]
     a.ledger_words = u.ledger_words = state.ledger.shape[0]

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from funcreplay import native
-from funcreplay.core import indexes
+from funcreplay.core import indexes, storage
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -29,7 +29,10 @@ def insert(spec: TableSpec, state: TableState, items, mask, versions, prios, met
   ledger with everything else the insert changes there).
   """
   b = mask.shape[0]
-  item_leaves = spec.signature.treedef.flatten_up_to(items)
+  # Packed rows (core.storage): the items become one uint32[B, R] leaf here, one copy
+  # per row in the kernel.
+  item_leaves = ([storage.pack(spec.signature, True, items, 1)] if spec.packed_rows
+                 else spec.signature.treedef.flatten_up_to(items))
   item_leaves = [jnp.asarray(x) for x in item_leaves]
   weights = (indexes.sample_weight(spec, jnp.ones((b,), bool), prios) if spec.prioritized
              else jnp.zeros((0,), jnp.float32))

@@ -11,6 +11,8 @@ caller, ``sampling.sample``, keeps other key implementations on the portable pro
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,15 @@ def _key_words(rng) -> jnp.ndarray:
   if _typed(rng):
     rng = jax.random.key_data(rng)
   return jnp.asarray(rng).astype(jnp.uint32).reshape(-1)
+
+
+def field_words(spec: TableSpec) -> np.ndarray:
+  """The kernel's ``fields`` attribute: [] when every item leaf is its own state array,
+  else the word offsets ``0 = f_0 < ... < f_n = R`` of the leaves in a packed row."""
+  if not spec.packed_rows:
+    return np.zeros((0,), np.int64)
+  sizes = [math.prod(x.shape) for x in spec.signature.leaves]
+  return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
 def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
@@ -60,7 +71,7 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
     out_types.append(jax.ShapeDtypeStruct((layout.nbytes,), jnp.uint8))
     offsets = np.array([f.offset for f in layout.fields] + [layout.nbytes], np.int64)
   else:
-    out_types += [jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype) for x in data_leaves]
+    out_types += [jax.ShapeDtypeStruct((b,) + x.shape, x.dtype) for x in spec.signature.leaves]
     out_types += [jax.ShapeDtypeStruct((b,), d) for d in
                   (jnp.bool_, jnp.int32, jnp.uint32, jnp.float32, jnp.float32, jnp.int32,
                    jnp.int32)]
@@ -72,20 +83,22 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
   res = call(*operands, batch_size=b, capacity=c, replace=bool(replace),
              max_times_sampled=int(spec.max_times_sampled), has_version=has_version,
              max_staleness=-1 if spec.max_staleness is None else int(spec.max_staleness),
-             split_key=bool(split_key), packed=offsets, ledger=native.ledger_attr(spec))
+             split_key=bool(split_key), packed=offsets, ledger=native.ledger_attr(spec),
+             fields=field_words(spec))
   n_state = len(state_ops)
   occupied, key, version, times, priority, occ_tree, weight_tree, ledger, hist, bounds = res[:10]
   new_data = res[10:n_state]
   if layout is not None:
     out, n_valid, num_eligible, next_words = res[n_state:]
   else:
-    rows = res[n_state:n_state + len(data_leaves)]
+    n_fields = len(spec.signature.leaves)
+    rows = res[n_state:n_state + n_fields]
     valid, slot, key_o, prob, prio, times_o, version_o, n_valid, num_eligible, next_words = (
-        res[n_state + len(data_leaves):])
+        res[n_state + n_fields:])
     info = SampleInfo(slot=slot, key=key_o, probability=prob, priority=prio,
                       times_sampled=times_o, version=version_o)
-    out = Sample(data=jax.tree_util.tree_unflatten(data_def, rows), valid=valid, info=info,
-                 num_eligible=num_eligible)
+    out = Sample(data=jax.tree_util.tree_unflatten(spec.signature.treedef, rows), valid=valid,
+                 info=info, num_eligible=num_eligible)
 
   state = state.replace(
       data=jax.tree_util.tree_unflatten(data_def, new_data), occupied=occupied, key=key,

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import indexes, ordering
+from funcreplay.core import indexes, ordering, storage
 from funcreplay.core import selectors as sel
 from funcreplay.core.ops.queries import eligible_mask
 from funcreplay.core.ops.remove import delete
@@ -182,7 +182,9 @@ def gather(spec: TableSpec, state: TableState, slots, num_eligible) -> Sample:
   info = SampleInfo(slot=jnp.where(valid, slots, -1), key=rows(state.key),
                     probability=valid.astype(jnp.float32), priority=rows(state.priority),
                     times_sampled=rows(state.times_sampled), version=rows(state.version))
-  return Sample(data=jax.tree_util.tree_map(rows, state.data), valid=valid, info=info,
+  data = storage.unpack(spec.signature, spec.packed_rows,
+                        jax.tree_util.tree_map(rows, state.data), 1)
+  return Sample(data=data, valid=valid, info=info,
                 num_eligible=jnp.asarray(num_eligible, jnp.int32))
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import executor, indexes, inplace, staleness, trees
+from funcreplay.core import executor, indexes, inplace, staleness, storage, trees
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
 from funcreplay.core.ops import insert_lean
@@ -170,7 +170,8 @@ def _write(spec, state, slots, write, items, columns):
                                columns["version"], write)
 
   state = state.replace(
-      data=_scatter_rows(state.data, slots, items, write),
+      data=_scatter_rows(state.data, slots,
+                         storage.pack(spec.signature, spec.packed_rows, items, 1), write),
       occupied=put(state.occupied, True),
       key=put(state.key, columns["key"]),
       version=put(version_col, columns["version"]),

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import indexes, staleness, trees
+from funcreplay.core import indexes, staleness, storage, trees
 from funcreplay.core import ledger_update as ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
@@ -133,7 +133,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     else:
       weight_tree = trees.refresh_sum(weight_tree, slots, w)
   state = state.replace(
-      data=jax.tree_util.tree_map(put, state.data, items),
+      data=jax.tree_util.tree_map(
+          put, state.data, storage.pack(spec.signature, spec.packed_rows, items, 1)),
       occupied=put(state.occupied, after(jnp.ones((b,), bool), n_evicted)),
       key=put(state.key, keys),
       version=put(state.version, new_versions),

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import indexes, ops
+from funcreplay.core import indexes, ops, storage
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core.state import Sample, SampleInfo
 
@@ -22,7 +22,8 @@ def finish(spec, state, picked, prob, num_eligible, ver, replace):
     v = valid.reshape((-1,) + (1,) * (x.ndim - 1))
     return jnp.where(v, ops.take(x, safe), jnp.zeros((), x.dtype))
 
-  data = jax.tree_util.tree_map(rows, state.data)
+  data = storage.unpack(spec.signature, spec.packed_rows,
+                        jax.tree_util.tree_map(rows, state.data), 1)
   idx = jnp.where(valid, safe, cap)
   if idx.shape[0] == 1:  # keep it a scatter, not a slice update (see ops.take)
     idx = jnp.concatenate([idx, jnp.full((1,), cap, idx.dtype)])

@@ -38,7 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from funcreplay.core import bits, inplace, trees
+from funcreplay.core import bits, inplace, storage, trees
 from funcreplay.core import ledger_update as ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
@@ -162,12 +162,14 @@ def _descend(tree, k, leaf_levels: int):
   return node, k
 
 
-def gather_rows(state: TableState, slot, valid):
-  """Every data leaf at ``slot`` (int32[B], in range), zero where not ``valid``."""
+def gather_rows(spec: TableSpec, state: TableState, slot, valid):
+  """The items at ``slot`` (int32[B], in range), zero where not ``valid``: one gather
+  of whole rows with row storage (``core.storage``), else one per leaf."""
   def rows(x):
     v = valid.reshape((-1,) + (1,) * (x.ndim - 1))
     return jnp.where(v, x[slot], jnp.zeros((), x.dtype))
-  return jax.tree_util.tree_map(rows, state.data)
+  return storage.unpack(spec.signature, spec.packed_rows,
+                        jax.tree_util.tree_map(rows, state.data), 1)
 
 
 def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, version,
@@ -189,7 +191,7 @@ def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, 
   is not ordered (a copy of ``priority``).
   """
   cap = spec.capacity
-  data = gather_rows(state, slot, valid)
+  data = gather_rows(spec, state, slot, valid)
   times = state.times_sampled.at[jnp.where(valid, slot, cap)].add(1, mode="drop")
   n_valid = jnp.sum(valid, dtype=jnp.int32)
   adds = {"samples": ledger.count(n_valid)}

@@ -54,7 +54,7 @@ namespace {
   X(int64_t, capacity)         /* C slots */                                    \
   X(int64_t, replace)          /* 0 / 1 */                                      \
   X(int64_t, max_times_sampled) /* 0: unlimited */                              \
-  X(int64_t, n_data)           /* item leaves */                                \
+  X(int64_t, n_data)           /* item fields (signature leaves) */             \
   X(int64_t, version)          /* the learner's policy version (int32) */       \
   X(int64_t, min_valid)        /* fail (ok = 0) below this many eligible */     \
   X(int64_t, max_staleness)    /* -1: no staleness limit */                     \
@@ -66,7 +66,8 @@ namespace {
   X(int64_t, hist_size)        /* V (0 without staleness) */                    \
   X(int64_t, ledger_words)     /* words of the ledger */                        \
   X(int64_t, out_bytes)        /* bytes of the output buffer */                 \
-  X(const int64_t*, row_bytes) /* [n_data] */                                   \
+  X(const int64_t*, row_bytes) /* [n_data] bytes of each item field */          \
+  X(const int64_t*, src_stride) /* [n_data] bytes from slot to slot of each */   \
   X(const int64_t*, packed)    /* [n_data + 9] packed offsets */                \
   X(const int64_t*, ledger_layout) /* [kLNumEntries + 3] */                     \
   X(uint32_t*, key)            /* uint32[2] threefry key, advanced in place */  \
@@ -81,7 +82,7 @@ namespace {
   X(int32_t*, hist)            /* int32[V] or null */                           \
   X(int32_t*, bounds)          /* int32[3] or null */                           \
   X(char*, out)                /* uint8[out_bytes] */                           \
-  X(const char* const*, data)  /* item leaves [C, ...], n_data pointers */      \
+  X(const char* const*, data)  /* n_data pointers: each field of slot 0 */     \
   X(int32_t*, flags)           /* int32[3] out: ok, limiter ok, eligible count */
 
 #define FR_UPDATE_FIELDS(X)                                                     \
@@ -107,7 +108,7 @@ struct DirectSample { FR_SAMPLE_FIELDS(FR_DECLARE) };
 struct DirectUpdate { FR_UPDATE_FIELDS(FR_DECLARE) };
 #undef FR_DECLARE
 
-constexpr int64_t kAbiVersion = 4;
+constexpr int64_t kAbiVersion = 5;
 
 // "name:offset:size;..." then "sizeof:N".
 #define FR_DESCRIBE(type, name)                                                  \
@@ -194,9 +195,11 @@ extern "C" int funcreplay_direct_sample(const DirectSample* cfg_ptr) {
   job.index.hist = cfg.hist;
   job.index.bounds = cfg.bounds;
   job.src.resize(n_data);
+  job.src_stride.resize(n_data);
   job.row_bytes.resize(n_data);
   for (size_t d = 0; d < n_data; ++d) {
     job.src[d] = cfg.data[d];
+    job.src_stride[d] = static_cast<size_t>(cfg.src_stride[d]);
     job.row_bytes[d] = static_cast<size_t>(cfg.row_bytes[d]);
   }
   char* columns[8] = {};

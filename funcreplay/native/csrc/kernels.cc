@@ -92,7 +92,8 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs s
                       Out1<ffi::S32> bounds, ffi::RemainingRets rets, int64_t batch_size,
                       int64_t capacity, bool replace, int64_t max_times_sampled,
                       bool has_version, int64_t max_staleness, bool split_key,
-                      ffi::Span<const int64_t> packed, ffi::Span<const int64_t> ledger_layout) {
+                      ffi::Span<const int64_t> packed, ffi::Span<const int64_t> ledger_layout,
+                      ffi::Span<const int64_t> fields) {
   const int64_t b = batch_size;
   const int64_t c = capacity;
   constexpr size_t kFixedState = 10;  // the typed state results above
@@ -134,12 +135,35 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs s
     job.index.hist = hist->typed_data();
     job.index.bounds = bounds->typed_data();
   }
-  job.src.resize(n_data);
-  job.row_bytes.resize(n_data);
-  for (size_t d = 0; d < n_data; ++d) {
-    auto leaf = rets.get<ffi::AnyBuffer>(d).value();
-    job.src[d] = static_cast<const char*>(leaf->untyped_data());
-    job.row_bytes[d] = c > 0 ? leaf->size_bytes() / c : 0;
+  // ``fields``: [] when every item leaf is its own state array; with packed rows
+  // (one uint32[C, R] state array) the word offsets of the item's leaves in a row,
+  // 0 = f_0 < f_1 < ... < f_n = R (funcreplay/core/storage.py).
+  const size_t n_fields = fields.size() == 0 ? n_data : fields.size() - 1;
+  if (fields.size() > 0) {
+    bool ok = n_data == 1 && fields.size() >= 2 && fields[0] == 0;
+    for (size_t j = 1; ok && j < fields.size(); ++j) ok = fields[j] > fields[j - 1];
+    if (!ok || rets.get<ffi::AnyBuffer>(0).value()->size_bytes() !=
+                   static_cast<size_t>(c * fields[n_fields]) * sizeof(uint32_t)) {
+      return ffi::Error::InvalidArgument(
+          "funcreplay_sample: packed rows need one uint32[C, R] data array and increasing "
+          "word offsets 0 = f_0 < ... < f_n = R");
+    }
+  }
+  job.src.resize(n_fields);
+  job.src_stride.resize(n_fields);
+  job.row_bytes.resize(n_fields);
+  const char* words = fields.size() == 0 ? nullptr : static_cast<const char*>(
+      rets.get<ffi::AnyBuffer>(0).value()->untyped_data());
+  for (size_t d = 0; d < n_fields; ++d) {
+    if (words != nullptr) {
+      job.src[d] = words + fields[d] * sizeof(uint32_t);
+      job.src_stride[d] = static_cast<size_t>(fields[n_fields]) * sizeof(uint32_t);
+      job.row_bytes[d] = static_cast<size_t>(fields[d + 1] - fields[d]) * sizeof(uint32_t);
+    } else {
+      auto leaf = rets.get<ffi::AnyBuffer>(d).value();
+      job.src[d] = static_cast<const char*>(leaf->untyped_data());
+      job.row_bytes[d] = job.src_stride[d] = c > 0 ? leaf->size_bytes() / c : 0;
+    }
   }
 
   // Outputs after the state: the rows and info columns as separate arrays, or
@@ -160,8 +184,8 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs s
           "n_data + 9 increasing byte offsets ending with the output's size)");
     }
   } else {
-    job.rows.resize(n_data);
-    for (size_t d = 0; d < n_data; ++d) {
+    job.rows.resize(n_fields);
+    for (size_t d = 0; d < n_fields; ++d) {
       job.rows[d] = static_cast<char*>(rets.get<ffi::AnyBuffer>(o++).value()->untyped_data());
     }
     for (size_t j = 0; j < 7; ++j) {
@@ -379,7 +403,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplaySample, SampleImpl,
                                   .Attr<int64_t>("max_staleness")
                                   .Attr<bool>("split_key")
                                   .Attr<ffi::Span<const int64_t>>("packed")
-                                  .Attr<ffi::Span<const int64_t>>("ledger"));
+                                  .Attr<ffi::Span<const int64_t>>("ledger")
+                                  .Attr<ffi::Span<const int64_t>>("fields"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayFifoInsert, FifoInsertImpl,
                               ffi::Ffi::Bind()

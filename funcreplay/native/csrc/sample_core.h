@@ -79,8 +79,12 @@ struct SampleJob {
   float* wtree = nullptr;     // float32[2P] weight tree, or null (uniform)
   Ledger ledger;
   VersionIndex index;
-  std::vector<const char*> src;    // data leaves [C, ...]
-  std::vector<size_t> row_bytes;   // bytes per row of each
+  // The item fields (signature leaves): each at ``src[d] + slot * src_stride[d]``,
+  // ``row_bytes[d]`` bytes. One array per leaf: stride == row_bytes; packed rows
+  // (funcreplay/core/storage.py): every field inside the one [C, R] words array.
+  std::vector<const char*> src;
+  std::vector<size_t> src_stride;
+  std::vector<size_t> row_bytes;   // bytes per field of one item
   // Outputs: B rows per data leaf, the seven info columns [B], the next key.
   std::vector<char*> rows;
   bool* out_valid = nullptr;
@@ -191,7 +195,7 @@ inline int64_t RunSample(SampleJob& job) {
     __builtin_prefetch(job.priority + s);
     __builtin_prefetch(job.versions + s);
     for (size_t d = 0; d < n_data; ++d) {
-      const char* row = job.src[d] + s * job.row_bytes[d];
+      const char* row = job.src[d] + s * job.src_stride[d];
       for (size_t at = 0; at < job.row_bytes[d]; at += 64) __builtin_prefetch(row + at);
     }
   };
@@ -213,7 +217,7 @@ inline int64_t RunSample(SampleJob& job) {
       job.out_times[i] = times[s];
       job.out_version[i] = job.versions[s];
       for (size_t d = 0; d < n_data; ++d) {
-        CopyRow(job.rows[d] + i * job.row_bytes[d], job.src[d] + s * job.row_bytes[d],
+        CopyRow(job.rows[d] + i * job.row_bytes[d], job.src[d] + s * job.src_stride[d],
                 job.row_bytes[d]);
       }
       if (job.has_version) {
