@@ -5,7 +5,7 @@ gymnasium's ``CartPole-v1`` (``CartPoleEnv`` + ``TimeLimit``, Euler
 integrator, reward +1 on every step including the terminating one, initial
 state uniform in ``(-0.05, 0.05)``). The only numerical difference is that the
 state is float32 here (gymnasium integrates in float64 and returns float32
-observations); ``tests/test_experiments.py`` checks a few steps against
+observations); ``tests/experiments/test_experiments.py`` checks a few steps against
 gymnasium.
 
 Why an in-repo env rather than gymnax (the ecosystem's JAX env suite): gymnax

@@ -5,7 +5,7 @@ manifest CRC and the occupied-rows layout) is read as it is: its manifest has
 no ``manifest_crc32`` to verify (``format.read_manifest``) and no ``rows``
 entry, so every leaf is whole (``rows.unpack`` does nothing); checkpoints
 older still, without the version index, get it rebuilt from the columns
-(``core``'s derived leaves). ``tests/fixtures/checkpoint_v1`` is one written by
+(``core``'s derived leaves). ``tests/checkpoint/fixtures/checkpoint_v1`` is one written by
 the schema-1 code; its restore is checked bit for bit.
 
 Growing from ``C`` to ``C' > C`` slots keeps every item, its key, version,

@@ -26,7 +26,7 @@ returns (in one jit, or a scan body) must order the sample's gathers before
 the insert's writes of the same columns. The lean sample does it with
 ``witness`` (one element of each of its materialized outputs) feeding the
 returned ``write_pos``, which every write of the insert depends on
-(``uniform_lean.finish``; tests/test_hlo.py).
+(``uniform_lean.finish``; tests/core/test_hlo.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ buffers directly through ctypes, with the batch written into ``buf``. The C
 side also does what the jitted program does around the kernel (eligible
 count, rate limiter, ``min_valid``, key advance), bit for bit: a table
 sampled directly and one sampled through the jitted path hand out the same
-items and end in the same state (tests/test_direct.py).
+items and end in the same state (tests/host/test_direct.py).
 
 The price is the usual one of mutating in place: the Python side must make
 sure no XLA computation is still using the buffers. ``DirectSampler.bind``

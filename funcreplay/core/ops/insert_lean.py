@@ -4,7 +4,7 @@ Applies (``applies``) when the remover is exactly ``Fifo`` and no ``mask`` is gi
 ``ops.insert`` then runs it (``make_table``'s portable insert).
 The B rows go to slots ``(write_pos + r) mod C``, ``r < B``, as in the
 general ``ops.insert``, and the resulting ``TableState`` is bit for bit the
-one the general path gives (tests/test_lean.py).
+one the general path gives (tests/core/test_lean.py).
 
 Work (B static): one gather of ``occupied`` and ``times_sampled`` at the B
 slots (the victims and their reuse counts), one write per column (a

@@ -48,7 +48,7 @@ def _update_priorities(spec, state, slots, keys, priorities):
 def general_update_priorities(spec: TableSpec, state: TableState, slots, keys, priorities):
   """The general ``update_priorities`` program (any remover; arguments as arrays).
 
-  Public as the oracle of ``priorities_lean`` (tests/test_lean.py).
+  Public as the oracle of ``priorities_lean`` (tests/core/test_lean.py).
   """
   safe, ok = _key_matches(state, slots, keys)
   win = last_occurrence(safe, ok)

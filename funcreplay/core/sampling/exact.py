@@ -155,7 +155,7 @@ def successive(tree, rng, b: int, replace: bool, n_max: int):
   picked, n = first_b(d, b, n_max)
   picked = jnp.where(alive, picked, -1)
   def complete(p):
-    # Named: the completion works on a copy of the tree (tests/test_inplace.py exempts it).
+    # Named: the completion works on a copy of the tree (tests/core/test_inplace.py exempts it).
     with jax.named_scope("exact_completion"):
       return _complete_successive(tree, rng, p, n, m)
 

@@ -19,7 +19,7 @@
 // differs on ~20% of them by an ulp), so this file calls ``powf``. A
 // whole-number exponent >= 2 JAX computes by multiplication, and 0.5 XLA by
 // a square root: such tables do not update here (direct.py).
-// tests/test_direct.py compares the trees bit for bit over many priorities
+// tests/host/test_direct.py compares the trees bit for bit over many priorities
 // and exponents.
 // funcreplay/native/direct.py is the Python side and says when this applies.
 
@@ -279,7 +279,7 @@ extern "C" int funcreplay_direct_update_priorities(const DirectUpdate* cfg_ptr) 
   return 0;
 }
 
-// Test hooks (tests/test_native_identity.py): the kernels' random bits, to check them
+// Test hooks (tests/native/test_native_identity.py): the kernels' random bits, to check them
 // against jax.random.bits / jax.random.split and the portable recipe.
 extern "C" void funcreplay_stream_words(uint32_t k0, uint32_t k1, uint32_t stream, int64_t n,
                                         uint32_t* hi, uint32_t* lo) {

@@ -11,8 +11,8 @@ from hypothesis import given
 
 import funcreplay as fr
 from funcreplay.core import selectors as sel
+from tests.core.reference import RefTable
 from tests.helpers import ITEM, assert_trees_consistent, counters_dict, items_from_ids, jitted
-from tests.reference import RefTable
 
 # Every test here runs against both implementations (see conftest.py).
 pytestmark = pytest.mark.usefixtures("both_implementations")

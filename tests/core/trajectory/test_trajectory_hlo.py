@@ -1,5 +1,5 @@
 """The common trajectory programs stay lean: no ``conditional`` / ``while`` in the optimized
-HLO of ``add`` and of the uniform ``sample`` (closed form and index), as tests/test_hlo.py
+HLO of ``add`` and of the uniform ``sample`` (closed form and index), as tests/core/test_hlo.py
 pins for the item table (on XLA:GPU each is a device-to-host sync)."""
 
 import jax

@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERIMENTS = os.path.join(ROOT, "experiments")
 sys.path.insert(0, EXPERIMENTS)
 

@@ -1,7 +1,7 @@
 """The native CPU kernels (``funcreplay.native``) against the portable path.
 
 The sample kernel follows the portable programs' recipe bit for bit, so the
-strongest check is equality (tests/test_native_identity.py: hypothesis over
+strongest check is equality (tests/native/test_native_identity.py: hypothesis over
 specs and op sequences). Here, besides the insert / update kernels' identity:
 * the bookkeeping alone: given the slots the kernel picked, the portable
   bookkeeping (``sampling.finish``: reuse counts, frees, counters, version

@@ -25,7 +25,7 @@ from funcreplay.checkpoint import format as fmt
 from funcreplay.checkpoint import swap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 FIXTURE_V1 = os.path.join(HERE, "fixtures", "checkpoint_v1", "ckpt")
 
 
@@ -315,9 +315,9 @@ def test_manifest_checksum_is_over_content_not_layout(tmp_path):
 
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_schema_1_checkpoint_restores_bit_exactly(native, monkeypatch):
-  """A checkpoint written by the schema-1 code (tests/fixtures/checkpoint_v1) still restores,
-  and the restored table, with or without the native kernels, gives the recorded sample and
-  the schema-1 code's stats. (The sample fields were re-recorded from the restored state when
+  """A checkpoint written by the schema-1 code (tests/checkpoint/fixtures/checkpoint_v1) still
+  restores, and the restored table, with or without the native kernels, gives the recorded sample
+  and the schema-1 code's stats. (The sample fields were re-recorded from the restored state when
   the sampling recipe changed, issue 25: see expected.json's ``sample_recipe``.)"""
   monkeypatch.setenv("FUNCREPLAY_NATIVE", native)
   with open(os.path.join(os.path.dirname(FIXTURE_V1), "expected.json"), encoding="utf-8") as f:

@@ -14,7 +14,8 @@ from hypothesis import strategies as hst
 
 import funcreplay as fr
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))))  # the repository root
 
 
 def reference(rewards, discounts, n):

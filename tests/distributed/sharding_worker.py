@@ -1,6 +1,6 @@
 """One process of the two-process sharded-table test (run by test_sharding.py).
 
-Usage: python tests/sharding_worker.py PORT PROCESS_ID NUM_PROCESSES
+Usage: python tests/distributed/sharding_worker.py PORT PROCESS_ID NUM_PROCESSES
 
 Each process owns 2 CPU devices of a 4-device mesh, inserts items tagged with
 its process id into its own shards, then every process takes the same global

@@ -1,4 +1,5 @@
-"""A plain-Python reference model of a trajectory table (for tests/test_trajectory*.py)."""
+"""A plain-Python reference model of a trajectory table (for
+tests/core/trajectory/test_trajectory*.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ starts, and other test files start it with one device. So when this file runs
 in a process with fewer than 8 devices, ``test_suite_on_8_cpu_devices``
 re-runs this file in a subprocess with the flag set (and the tests that need
 the mesh skip here). Run it alone with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest tests/test_sharding.py``
+``XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest tests/distributed/test_sharding.py``
 to see every test in-process.
 """
 
@@ -27,7 +27,7 @@ import funcreplay as fr
 from funcreplay import distributed as frs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 N = 4  # shards used by most tests (of the 8 devices)
 
 

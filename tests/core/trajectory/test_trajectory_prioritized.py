@@ -15,9 +15,10 @@ from scipy import stats as sstats
 
 import funcreplay as fr
 from funcreplay.core.trajectory import state as tst
-from tests.trajectory_model import TrajectoryModel
+from tests.core.trajectory.trajectory_model import TrajectoryModel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))))  # the repository root
 
 X = {"x": jnp.zeros((), jnp.int32)}
 P_MIN = 1e-3  # chi-square: a correct sampler fails one fixed-seed test with probability 1e-3

@@ -1,6 +1,6 @@
 """Trajectory tables (issue 26): windows, boundaries, masks, wrap-around, the uniform draw.
 
-Reference model: ``tests/trajectory_model.py`` (every step kept, windows
+Reference model: ``tests/core/trajectory/trajectory_model.py`` (every step kept, windows
 recomputed from their definition).
 """
 
@@ -18,7 +18,7 @@ from scipy import stats as sstats
 
 import funcreplay as fr
 from funcreplay.core.trajectory import rows
-from tests.trajectory_model import TrajectoryModel
+from tests.core.trajectory.trajectory_model import TrajectoryModel
 
 STEP = {"x": jax.ShapeDtypeStruct((), jnp.int32), "y": jax.ShapeDtypeStruct((2,), jnp.float32)}
 P_MIN = 1e-3  # chi-square: a correct sampler fails one fixed-seed test with probability 1e-3

@@ -28,7 +28,7 @@ torch = pytest.importorskip("torch")
 import funcreplay as fr  # noqa: E402
 import funcreplay.torch as frt  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 JAX_DTYPES = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.int8, jnp.uint8, jnp.int16,
               jnp.uint16, jnp.int32, jnp.uint32, jnp.bool_, jnp.complex64]

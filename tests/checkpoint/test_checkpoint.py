@@ -33,7 +33,7 @@ from funcreplay.checkpoint import spec_codec
 from funcreplay.core import counters as ctr
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 ITEM = {"obs": jnp.zeros((2,), jnp.float32), "act": jnp.zeros((), jnp.int32)}
 CAP = 6
 

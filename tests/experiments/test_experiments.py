@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from configs import async_rollouts as async_cfg  # noqa: E402
 from configs import dqn_anakin as dqn_cfg  # noqa: E402
 from experiments import async_rollouts, common, dqn_anakin, dqn_parts  # noqa: E402
@@ -114,8 +114,8 @@ def test_config_file_flag_overrides():
   from absl import flags
   from ml_collections import config_flags
   fv = flags.FlagValues()
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                      "dqn_anakin.py")
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                      "configs", "dqn_anakin.py")
   argv = ["prog", f"--config={path}:tiny", "--config.seed=3", "--config.replay.max_times_sampled=5"]
   # Override flags (--config.x=...) are registered from the argv given at definition time.
   config_flags.DEFINE_config_file("config", None, "cfg", flag_values=fv, sys_argv=argv)
@@ -224,7 +224,7 @@ def test_async_rollouts_smoke_and_determinism(tmp_path):
 def test_bench_hugepages_smoke(tmp_path):
   import json
   import subprocess
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   out = tmp_path / "hp.json"
   proc = subprocess.run(
       [sys.executable, os.path.join(root, "experiments", "bench_hugepages.py"),

@@ -1,8 +1,8 @@
-"""Subprocess helper of tests/test_checkpoint.py.
+"""Subprocess helper of tests/checkpoint/test_checkpoint.py.
 
 Usage:
-  python tests/checkpoint_worker.py saves DIR START   # save steps START, START+1, ... forever
-  python tests/checkpoint_worker.py sharded DIR       # sharded round trip on 4 CPU devices
+  python tests/checkpoint/checkpoint_worker.py saves DIR START  # save steps START, START+1, ...
+  python tests/checkpoint/checkpoint_worker.py sharded DIR      # sharded round trip, 4 CPU devices
 
 ``saves``: checkpoint ``k`` holds a table whose every data row equals ``k``
 (so a restored checkpoint proves it is complete and of one step); prints

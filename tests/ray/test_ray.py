@@ -48,7 +48,7 @@ def spec(capacity=256, **kw):
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
   # Workers inherit this environment (the worktree on PYTHONPATH, CPU-only JAX).
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   old = os.environ.get("PYTHONPATH")
   os.environ["PYTHONPATH"] = os.pathsep.join(
       [root] + [p for p in (old or "").split(os.pathsep) if p])
@@ -478,7 +478,7 @@ def test_prefetch_torch_batches_and_the_colocated_learner():
 
 @pytest.mark.slow  # ~13 s: three more worker processes
 def test_async_rollouts_experiment_smoke(tmp_path):
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   sys.path.insert(0, root)
   from configs import async_rollouts_ray as cfg
   from experiments import async_rollouts_ray
@@ -495,7 +495,7 @@ def test_async_rollouts_experiment_smoke(tmp_path):
 
 def test_without_ray_the_package_imports_and_connect_says_what_to_install():
   import subprocess
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   code = ("import sys; sys.modules['ray'] = None\n"   # as if Ray were not installed
           "import funcreplay.ray as frr, funcreplay.torch\n"
           "try:\n  frr.connect('x')\nexcept ImportError as e:\n  print('ERR', e)\n")
