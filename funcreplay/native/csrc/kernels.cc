@@ -44,7 +44,9 @@ namespace {
 // Results: the state (StateRets, then the data leaves), then the batch: the
 // data rows and kInfoColumns info columns, or one packed uint8 buffer; then
 // kTailResults scalars: the valid rows int32[], num_eligible int32[] and the
-// next key uint32[2].
+// next key uint32[2]. XLA's "bad operands at" positions: 0 key, 1 params,
+// 2 where, 3-12 the state columns, 13 the data leaves, 14-23 the state
+// results, 24 the rest.
 constexpr size_t kInfoColumns = 7;  // valid, slot, key, probability, priority, times, version
 constexpr size_t kTailResults = 3;
 constexpr const char* kSample = "funcreplay_sample";
@@ -160,6 +162,8 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, Bool1, U32_1, S32_1,
 // (metadata rows int32[B], item leaves [B, ...]) and the state's as many
 // columns (metadata int32[C], data leaves [C, ...], aliased). Results: the
 // ten state columns (StateRets), then the metadata columns and data leaves.
+// XLA's "bad operands at" positions: 0 mask, 1 version, 2 priority, 3 weight,
+// 4 n_bad, 5-14 the state columns, 15 the tail, 16-25 the state results.
 constexpr const char* kInsert = "funcreplay_fifo_insert";
 
 ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1 in_weight,
@@ -253,6 +257,8 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
 // weight_tree float32[2P] or [0], ledger uint32[L] (max_priority and the
 // invalid_priorities counter), occ_tree int32[2P] (its node 0, the
 // zero-weight count). Semantics: RunUpdatePriorities (priorities_core.h).
+// XLA's "bad operands at" positions: 0-3 the rows, 4-9 the state, 10-15 the
+// results, in the orders above.
 constexpr const char* kUpdate = "funcreplay_update_priorities";
 
 ffi::Error UpdatePrioritiesImpl(S32_1 slots, U32_1 keys, F32_1 priorities, F32_1 weights, Bool1,
