@@ -35,25 +35,21 @@ def insert(spec: TableSpec, state: TableState, items, mask, versions, prios, met
              else jnp.zeros((0,), jnp.float32))
   meta_names = list(spec.metadata)
   data_leaves, data_def = jax.tree_util.tree_flatten(state.data)
-  # The kernel's calling layout (FifoInsertImpl in csrc/kernels.cc): the fixed operands,
-  # typed there (the rows, then the ten state columns), then the variable tail (a row per
-  # metadata column and item leaf, then those state columns). Each state operand is aliased
-  # to the result of the same column.
-  fixed_rows = [mask, versions, prios, weights, jnp.asarray(n_bad, jnp.uint32)]
+  # The kernel's calling layout (FifoInsertImpl in csrc/kernels.cc): the rows (typed
+  # there), a row per metadata column and item leaf, then the state, each state operand
+  # aliased to the result of the same column (which is typed).
+  rows = [mask, versions, prios, weights, jnp.asarray(n_bad, jnp.uint32)]
+  tail_rows = [*[meta_rows[k] for k in meta_names], *item_leaves]
   fixed_state = [state.occupied, state.key, state.version, state.times_sampled, state.priority,
                  state.occ_tree, state.weight_tree, state.ledger, state.version_hist,
                  state.version_bounds]
-  tail_rows = [*[meta_rows[k] for k in meta_names], *item_leaves]
-  tail_state = [*[state.metadata[k] for k in meta_names], *data_leaves]
-  state_ops = fixed_state + tail_state
-  tail_at = len(fixed_rows) + len(fixed_state) + len(tail_rows)
-  aliases = {len(fixed_rows) + i: i for i in range(len(fixed_state))}
-  aliases.update({tail_at + j: len(fixed_state) + j for j in range(len(tail_state))})
+  state_ops = [*fixed_state, *[state.metadata[k] for k in meta_names], *data_leaves]
+  state_at = len(rows) + len(tail_rows)
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops]
   call = jax.ffi.ffi_call("funcreplay_fifo_insert", out_types, vmap_method="sequential",
-                          input_output_aliases=aliases)
-  res = call(*fixed_rows, *fixed_state, *tail_rows, *tail_state, capacity=spec.capacity,
-             n_meta=len(meta_names), n_data=len(data_leaves), ledger=native.ledger_attr(spec))
+                          input_output_aliases={state_at + i: i for i in range(len(state_ops))})
+  res = call(*rows, *tail_rows, *state_ops, capacity=spec.capacity, n_meta=len(meta_names),
+             n_data=len(data_leaves), ledger=native.ledger_attr(spec))
   n_fixed = len(fixed_state)
   (occupied, key, version, times, priority, occ_tree, weight_tree, ledger, hist,
    bounds) = res[:n_fixed]

@@ -13,10 +13,12 @@
 // typed ffi::Buffer<dtype, rank>, so XLA's binding checks its dtype and rank
 // before the kernel runs, and an operand passed in the wrong place is an error
 // ("Failed to decode all FFI handler operands (bad operands at: i)", i counting
-// the entries of the handler's binding in order), never a misread buffer. Only
-// the variable-length tails (item leaves, metadata columns, the batch) are
-// RemainingArgs / RemainingRets; the kernels check those themselves, and
-// every element count, and name the operand that does not fit.
+// the entries of the handler's binding in order), never a misread buffer. The
+// state operands, each aliased to a typed result, are checked through it
+// (kStateColumns in ffi_binding.h says why); they and the variable-length
+// tails (item leaves, metadata columns, the batch) are RemainingArgs /
+// RemainingRets, which the kernels check themselves, with every element
+// count, naming the operand that does not fit.
 //
 // The kernels' bodies are plain C++ over raw pointers, shared with the direct
 // host path (direct.cc): sample_core.h, insert_core.h, priorities_core.h, over
@@ -40,19 +42,17 @@ namespace {
 
 // Operands of Sample, in native/sample.py's order: key uint32[2] (threefry
 // key data), params int32[2] [version, enabled], where bool[C] or bool[0],
-// the ten state columns (StateArgs), then the data leaves [C, ...] (aliased).
+// then the state (aliased): the ten state columns, the data leaves [C, ...].
 // Results: the state (StateRets, then the data leaves), then the batch: the
 // data rows and kInfoColumns info columns, or one packed uint8 buffer; then
 // kTailResults scalars: the valid rows int32[], num_eligible int32[] and the
 // next key uint32[2]. XLA's "bad operands at" positions: 0 key, 1 params,
-// 2 where, 3-12 the state columns, 13 the data leaves, 14-23 the state
-// results, 24 the rest.
+// 2 where, 3 the state operands, 4-13 the state results, 14 the rest.
 constexpr size_t kInfoColumns = 7;  // valid, slot, key, probability, priority, times, version
 constexpr size_t kTailResults = 3;
 constexpr const char* kSample = "funcreplay_sample";
 
-ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, Bool1, U32_1, S32_1, S32_1, F32_1,
-                      S32_1, F32_1, U32_1, S32_1, S32_1, ffi::RemainingArgs data_args,
+ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs state_args,
                       Out1<ffi::PRED> occupied, Out1<ffi::U32> keys, Out1<ffi::S32> version,
                       Out1<ffi::S32> times, Out1<ffi::F32> priority, Out1<ffi::S32> occ_tree,
                       Out1<ffi::F32> weight_tree, Out1<ffi::U32> ledger, Out1<ffi::S32> hist,
@@ -62,7 +62,10 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, Bool1, U32_1, S32_1,
                       ffi::Span<const int64_t> packed, ffi::Span<const int64_t> ledger_layout) {
   const int64_t b = batch_size;
   const int64_t c = capacity;
-  const size_t n_data = data_args.size();
+  if (state_args.size() < kStateColumns) {
+    return BadOperand(kSample, "expected the ten state columns after key, params and where");
+  }
+  const size_t n_data = state_args.size() - kStateColumns;
   // ``packed`` = [-1]: separate arrays; else the byte offsets of the n_data
   // leaves, valid, the six info columns, num_eligible, then the total size:
   // all in one uint8 buffer (funcreplay/packing.py's layout).
@@ -157,18 +160,17 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, Bool1, U32_1, S32_1,
 // Operands of FifoInsert, in native/insert.py's order. The rows (B = batch):
 // mask bool[B], version int32[B], priority float32[B], weight float32[B]
 // (priority**alpha for a prioritized sampler, else float32[0]), n_bad
-// uint32[] (invalid priorities among the rows, counted here); the ten state
-// columns (StateArgs); then the variable tail, n_meta + n_data rows
-// (metadata rows int32[B], item leaves [B, ...]) and the state's as many
-// columns (metadata int32[C], data leaves [C, ...], aliased). Results: the
-// ten state columns (StateRets), then the metadata columns and data leaves.
+// uint32[] (invalid priorities among the rows, counted here); then the rest:
+// the variable tail of n_meta + n_data rows (metadata rows int32[B], item
+// leaves [B, ...]), then the state (aliased): the ten state columns, the
+// metadata columns int32[C] and data leaves [C, ...]. Results: the ten state
+// columns (StateRets), then the metadata columns and data leaves.
 // XLA's "bad operands at" positions: 0 mask, 1 version, 2 priority, 3 weight,
-// 4 n_bad, 5-14 the state columns, 15 the tail, 16-25 the state results.
+// 4 n_bad, 5 the rest, 6-15 the state results.
 constexpr const char* kInsert = "funcreplay_fifo_insert";
 
 ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1 in_weight,
-                          U32_0 n_bad, Bool1, U32_1, S32_1, S32_1, F32_1, S32_1, F32_1, U32_1,
-                          S32_1, S32_1, ffi::RemainingArgs tail, Out1<ffi::PRED> occupied,
+                          U32_0 n_bad, ffi::RemainingArgs rest, Out1<ffi::PRED> occupied,
                           Out1<ffi::U32> keys, Out1<ffi::S32> version, Out1<ffi::S32> times,
                           Out1<ffi::F32> priority, Out1<ffi::S32> occ_tree,
                           Out1<ffi::F32> weight_tree, Out1<ffi::U32> ledger, Out1<ffi::S32> hist,
@@ -178,17 +180,20 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
   const int64_t c = capacity;
   const int64_t b = static_cast<int64_t>(mask.element_count());
   const size_t n_tail = static_cast<size_t>(n_meta + n_data);
-  if (n_meta < 0 || n_data < 0 || tail.size() != 2 * n_tail || columns.size() != n_tail) {
+  if (n_meta < 0 || n_data < 0 || rest.size() != 2 * n_tail + kStateColumns ||
+      columns.size() != n_tail) {
     return BadOperand(kInsert, "expected n_meta + n_data = " + std::to_string(n_tail) +
-                                   " rows and as many state columns after the fixed operands, "
-                                   "and as many results after the state; got " +
-                                   std::to_string(tail.size()) + " operands and " +
-                                   std::to_string(columns.size()) + " results");
+                                   " rows, the ten state columns and " +
+                                   std::to_string(n_tail) + " more after n_bad, and " +
+                                   std::to_string(n_tail) + " results after the state "
+                                   "columns; got " + std::to_string(rest.size()) +
+                                   " operands and " + std::to_string(columns.size()) +
+                                   " results");
   }
   const int64_t n_tree = static_cast<int64_t>(occ_tree->element_count());
   const int64_t v = static_cast<int64_t>(hist->element_count());
   const bool prioritized = weight_tree->element_count() > 0;
-  std::string bad = FirstMismatch(
+  const std::string bad = FirstMismatch(
       {{"version", in_version.element_count(), b}, {"priority", in_priority.element_count(), b},
        {"weight", in_weight.element_count(), prioritized ? b : 0},
        {"occupied column", occupied->element_count(), c}, {"key column", keys->element_count(), c},
@@ -199,13 +204,6 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
        {"weight_tree", weight_tree->element_count(), prioritized ? n_tree : 0},
        {"version_bounds", bounds->element_count(), v > 0 ? 3 : 0},
        {"version_hist", static_cast<size_t>(v), (v & (v - 1)) == 0 ? v : -1}});
-  for (size_t i = 0; bad.empty() && i < n_tail; ++i) {
-    const bool meta = static_cast<int64_t>(i) < n_meta;
-    bad = CheckTail(meta ? "metadata column " + std::to_string(i)
-                         : "item leaf " + std::to_string(i - n_meta),
-                    tail.get<ffi::AnyBuffer>(i).value(),
-                    *columns.get<ffi::AnyBuffer>(i).value(), b, c, meta);
-  }
   if (!bad.empty()) return BadOperand(kInsert, bad);
 
   InsertJob job;
@@ -233,9 +231,17 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
     job.index.hist = hist->typed_data();
     job.index.bounds = bounds->typed_data();
   }
-  for (size_t i = 0; i < n_tail; ++i) {
-    const void* row = tail.get<ffi::AnyBuffer>(i).value().untyped_data();
+  job.in_meta.reserve(n_meta);
+  job.meta.reserve(n_meta);
+  job.in_data.reserve(n_data);
+  job.data.reserve(n_data);
+  job.row_bytes.reserve(n_data);
+  for (size_t i = 0; i < n_tail; ++i) {  // checked as bound; nothing is written before the end
+    const ffi::AnyBuffer row_buf = rest.get<ffi::AnyBuffer>(i).value();
     auto col = columns.get<ffi::AnyBuffer>(i).value();
+    const std::string bad_tail = CheckTail(i, n_meta, row_buf, *col, b, c);
+    if (!bad_tail.empty()) return BadOperand(kInsert, bad_tail);
+    const void* row = row_buf.untyped_data();
     if (static_cast<int64_t>(i) < n_meta) {
       job.in_meta.push_back(static_cast<const int32_t*>(row));
       job.meta.push_back(static_cast<int32_t*>(col->untyped_data()));
@@ -252,17 +258,19 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
 // Operands of UpdatePriorities, in native/priorities.py's order, all fixed:
 // slots int32[K], keys uint32[K], priorities float32[K] (as given), weights
 // float32[K] (priority**alpha of the sanitized priorities, prioritized
-// sampler) or float32[0]; then the state, each aliased to the result of the
-// same column: occupied bool[C], key uint32[C], priority float32[C],
+// sampler) or float32[0]; then the state (aliased, typed through the results,
+// as kStateColumns in ffi_binding.h): occupied bool[C], key uint32[C], priority float32[C],
 // weight_tree float32[2P] or [0], ledger uint32[L] (max_priority and the
 // invalid_priorities counter), occ_tree int32[2P] (its node 0, the
 // zero-weight count). Semantics: RunUpdatePriorities (priorities_core.h).
-// XLA's "bad operands at" positions: 0-3 the rows, 4-9 the state, 10-15 the
-// results, in the orders above.
+// XLA's "bad operands at" positions: 0-3 the rows, 4 the state operands,
+// 5-10 the results, in the orders above.
 constexpr const char* kUpdate = "funcreplay_update_priorities";
 
-ffi::Error UpdatePrioritiesImpl(S32_1 slots, U32_1 keys, F32_1 priorities, F32_1 weights, Bool1,
-                                U32_1, F32_1, F32_1, U32_1, S32_1, Out1<ffi::PRED> occupied,
+constexpr size_t kUpdateStateColumns = 6;
+
+ffi::Error UpdatePrioritiesImpl(S32_1 slots, U32_1 keys, F32_1 priorities, F32_1 weights,
+                                ffi::RemainingArgs state_args, Out1<ffi::PRED> occupied,
                                 Out1<ffi::U32> item_keys, Out1<ffi::F32> priority,
                                 Out1<ffi::F32> weight_tree, Out1<ffi::U32> ledger,
                                 Out1<ffi::S32> occ_tree, int64_t capacity,
@@ -271,6 +279,9 @@ ffi::Error UpdatePrioritiesImpl(S32_1 slots, U32_1 keys, F32_1 priorities, F32_1
   const int64_t c = capacity;
   const int64_t n_tree = static_cast<int64_t>(weight_tree->element_count());
   const bool prioritized = n_tree > 0;
+  if (state_args.size() != kUpdateStateColumns) {
+    return BadOperand(kUpdate, "expected the six state columns after the weights");
+  }
   const std::string bad = FirstMismatch(
       {{"keys", keys.element_count(), k}, {"priorities", priorities.element_count(), k},
        {"weights", weights.element_count(), prioritized ? k : 0},
@@ -306,54 +317,49 @@ ffi::Error UpdatePrioritiesImpl(S32_1 slots, U32_1 keys, F32_1 priorities, F32_1
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FuncreplaySample, SampleImpl,
-    StateRets(StateArgs(ffi::Ffi::Bind().Arg<U32_1>().Arg<S32_1>().Arg<Bool1>())  // key, params,
-                                                                                   // where
-                  .RemainingArgs())  // the data leaves (aliased)
-        .RemainingRets()  // data leaves, the batch, n, eligible, next key
-        .Attr<int64_t>("batch_size")
-        .Attr<int64_t>("capacity")
-        .Attr<bool>("replace")
-        .Attr<int64_t>("max_times_sampled")
-        .Attr<bool>("has_version")
-        .Attr<int64_t>("max_staleness")
-        .Attr<bool>("split_key")
-        .Attr<ffi::Span<const int64_t>>("packed")
-        .Attr<ffi::Span<const int64_t>>("ledger"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplaySample, SampleImpl,
+                              StateRets(ffi::Ffi::Bind()
+                                            .Arg<U32_1>()     // key
+                                            .Arg<S32_1>()     // params
+                                            .Arg<Bool1>()     // where
+                                            .RemainingArgs())  // the state (aliased)
+                                  .RemainingRets()  // data leaves, the batch, n, eligible, key
+                                  .Attr<int64_t>("batch_size")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<bool>("replace")
+                                  .Attr<int64_t>("max_times_sampled")
+                                  .Attr<bool>("has_version")
+                                  .Attr<int64_t>("max_staleness")
+                                  .Attr<bool>("split_key")
+                                  .Attr<ffi::Span<const int64_t>>("packed")
+                                  .Attr<ffi::Span<const int64_t>>("ledger"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    FuncreplayFifoInsert, FifoInsertImpl,
-    StateRets(StateArgs(ffi::Ffi::Bind()
-                            .Arg<Bool1>()   // mask
-                            .Arg<S32_1>()   // version
-                            .Arg<F32_1>()   // priority
-                            .Arg<F32_1>()   // weight
-                            .Arg<U32_0>())  // n_bad
-                  .RemainingArgs())  // metadata rows, item leaves, then the state's (aliased)
-        .RemainingRets()  // metadata columns, data leaves
-        .Attr<int64_t>("capacity")
-        .Attr<int64_t>("n_meta")
-        .Attr<int64_t>("n_data")
-        .Attr<ffi::Span<const int64_t>>("ledger"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayFifoInsert, FifoInsertImpl,
+                              StateRets(ffi::Ffi::Bind()
+                                            .Arg<Bool1>()     // mask
+                                            .Arg<S32_1>()     // version
+                                            .Arg<F32_1>()     // priority
+                                            .Arg<F32_1>()     // weight
+                                            .Arg<U32_0>()     // n_bad
+                                            .RemainingArgs())  // tail rows, the state (aliased)
+                                  .RemainingRets()  // metadata columns, data leaves
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int64_t>("n_meta")
+                                  .Attr<int64_t>("n_data")
+                                  .Attr<ffi::Span<const int64_t>>("ledger"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayUpdatePriorities, UpdatePrioritiesImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<S32_1>()   // slots
-                                  .Arg<U32_1>()   // keys
-                                  .Arg<F32_1>()   // priorities
-                                  .Arg<F32_1>()   // weights
-                                  .Arg<Bool1>()   // occupied (aliased, as the rest)
-                                  .Arg<U32_1>()   // key
-                                  .Arg<F32_1>()   // priority
-                                  .Arg<F32_1>()   // weight_tree
-                                  .Arg<U32_1>()   // ledger
-                                  .Arg<S32_1>()   // occ_tree
-                                  .Ret<Bool1>()   // occupied
-                                  .Ret<U32_1>()   // key
-                                  .Ret<F32_1>()   // priority
-                                  .Ret<F32_1>()   // weight_tree
-                                  .Ret<U32_1>()   // ledger
-                                  .Ret<S32_1>()   // occ_tree
+                                  .Arg<S32_1>()     // slots
+                                  .Arg<U32_1>()     // keys
+                                  .Arg<F32_1>()     // priorities
+                                  .Arg<F32_1>()     // weights
+                                  .RemainingArgs()  // the state (aliased)
+                                  .Ret<Bool1>()     // occupied
+                                  .Ret<U32_1>()     // key
+                                  .Ret<F32_1>()     // priority
+                                  .Ret<F32_1>()     // weight_tree
+                                  .Ret<U32_1>()     // ledger
+                                  .Ret<S32_1>()     // occ_tree
                                   .Attr<int64_t>("capacity")
                                   .Attr<ffi::Span<const int64_t>>("ledger"));
