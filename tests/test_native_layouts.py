@@ -1,13 +1,13 @@
 """One checked calling layout (issue 24): the native kernels refuse operands out of place.
 
-Every fixed operand of the three FFI handlers (sample, insert, update_priorities) is a
-typed ``ffi::Buffer<dtype, rank>``, so a reordered operand or one of the wrong dtype or rank
-is an error from XLA's binding (which names its position in the binding, and the dtypes),
-never a misread buffer; element counts and the variable-length tails (metadata columns,
+The fixed operands (the rows) and the state results of the three FFI handlers (sample,
+insert, update_priorities) are typed ``ffi::Buffer<dtype, rank>``, so a reordered operand or
+one of the wrong dtype or rank is an error from XLA's binding (which names its position in
+the binding, and the dtypes), never a misread buffer; a state operand is checked through the
+typed result it aliases. Element counts and the variable-length tails (metadata columns,
 item leaves) are checked by the handlers, which name the operand. Each test first runs the
 real layout (built as ``funcreplay/native/*.py`` builds it), so a refusal is the layout's
-doing, not a broken call. The direct path's ``ctypes.Structure`` layouts are checked too.
-"""
+doing, not a broken call. The direct path's ``ctypes.Structure`` layouts are checked too."""
 
 from __future__ import annotations
 

@@ -9,8 +9,9 @@
 // passed as an operand aliased to a result, so XLA orders later writers of
 // those leaves after the kernel without copies (when the state is donated).
 //
-// One checked calling layout (issue 24): every fixed operand and result is a
-// typed ffi::Buffer<dtype, rank>, so XLA's binding checks its dtype and rank
+// One checked calling layout (issue 24): every fixed operand but the aliased
+// state (the rows) and every fixed result (the state columns) is a typed
+// ffi::Buffer<dtype, rank>, so XLA's binding checks its dtype and rank
 // before the kernel runs, and an operand passed in the wrong place is an error
 // ("Failed to decode all FFI handler operands (bad operands at: i)", i counting
 // the entries of the handler's binding in order), never a misread buffer. The
@@ -200,11 +201,14 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
        {"version column", version->element_count(), c},
        {"times_sampled column", times->element_count(), c},
        {"priority column", priority->element_count(), c},
-       {"occ_tree", static_cast<size_t>(n_tree), n_tree >= 2 * c && n_tree % 2 == 0 ? n_tree : -1},
        {"weight_tree", weight_tree->element_count(), prioritized ? n_tree : 0},
-       {"version_bounds", bounds->element_count(), v > 0 ? 3 : 0},
-       {"version_hist", static_cast<size_t>(v), (v & (v - 1)) == 0 ? v : -1}});
+       {"version_bounds", bounds->element_count(), v > 0 ? 3 : 0}});
   if (!bad.empty()) return BadOperand(kInsert, bad);
+  if (n_tree < 2 * c || n_tree % 2 != 0 || (v & (v - 1)) != 0) {
+    return BadOperand(kInsert, "operand occ_tree has " + std::to_string(n_tree) +
+                                   " elements (expected 2P >= 2C) and version_hist " +
+                                   std::to_string(v) + " (expected a power of two, or 0)");
+  }
 
   InsertJob job;
   job.b = b;
@@ -258,16 +262,16 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
 // Operands of UpdatePriorities, in native/priorities.py's order, all fixed:
 // slots int32[K], keys uint32[K], priorities float32[K] (as given), weights
 // float32[K] (priority**alpha of the sanitized priorities, prioritized
-// sampler) or float32[0]; then the state (aliased, typed through the results,
-// as kStateColumns in ffi_binding.h): occupied bool[C], key uint32[C], priority float32[C],
-// weight_tree float32[2P] or [0], ledger uint32[L] (max_priority and the
+// sampler) or float32[0]; then the state (aliased, checked through the typed
+// results, as kStateColumns in ffi_binding.h): occupied bool[C], key
+// uint32[C], priority float32[C], weight_tree float32[2P] or [0] (not
+// prioritized), ledger uint32[L] (max_priority and the
 // invalid_priorities counter), occ_tree int32[2P] (its node 0, the
 // zero-weight count). Semantics: RunUpdatePriorities (priorities_core.h).
 // XLA's "bad operands at" positions: 0-3 the rows, 4 the state operands,
 // 5-10 the results, in the orders above.
 constexpr const char* kUpdate = "funcreplay_update_priorities";
-
-constexpr size_t kUpdateStateColumns = 6;
+constexpr size_t kUpdateStateColumns = 6;  // the state operands above
 
 ffi::Error UpdatePrioritiesImpl(S32_1 slots, U32_1 keys, F32_1 priorities, F32_1 weights,
                                 ffi::RemainingArgs state_args, Out1<ffi::PRED> occupied,
@@ -287,12 +291,14 @@ ffi::Error UpdatePrioritiesImpl(S32_1 slots, U32_1 keys, F32_1 priorities, F32_1
        {"weights", weights.element_count(), prioritized ? k : 0},
        {"occupied column", occupied->element_count(), c},
        {"key column", item_keys->element_count(), c},
-       {"priority column", priority->element_count(), c},
-       {"weight_tree", static_cast<size_t>(n_tree),
-        !prioritized || (n_tree >= 2 * c && n_tree % 2 == 0) ? n_tree : -1},
-       {"occ_tree", occ_tree->element_count(),
-        prioritized ? n_tree : static_cast<int64_t>(occ_tree->element_count())}});
+       {"priority column", priority->element_count(), c}});
   if (!bad.empty()) return BadOperand(kUpdate, bad);
+  if (prioritized && (n_tree < 2 * c || n_tree % 2 != 0 ||
+                      static_cast<int64_t>(occ_tree->element_count()) != n_tree)) {
+    return BadOperand(kUpdate, "operand weight_tree has " + std::to_string(n_tree) +
+                                   " elements (expected 2P >= 2C, as occ_tree's " +
+                                   std::to_string(occ_tree->element_count()) + ")");
+  }
 
   UpdateJob job;
   job.k = k;
