@@ -52,7 +52,7 @@ inline ffi::Error BadOperand(const char* kernel, const std::string& what) {
 
 inline ffi::Error LedgerMismatch(const char* kernel) {
   return BadOperand(kernel, "the ledger layout does not fit the ledger operand "
-                            "(native.ledger_attr and kernels.cc disagree; rebuild the native "
+                            "(native.ledger_attr and common.h disagree; rebuild the native "
                             "kernels)");
 }
 
