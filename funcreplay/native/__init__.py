@@ -100,7 +100,7 @@ def ledger_attr(spec: TableSpec) -> np.ndarray:
 
   The word of each ledger entry (``ledger.ledger_words()``: the four scalars,
   then the counters in ``ledger.COUNTERS`` order; ``LedgerEntry`` in
-  kernels.cc), then the rate limiter's ``[p, q, DIFF_LIMIT]`` for
+  common.h), then the rate limiter's ``[p, q, DIFF_LIMIT]`` for
   ``rate_limiters.update_diff``.
   """
   p, q = spec.rate_limiter.ratio

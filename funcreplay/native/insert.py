@@ -38,20 +38,26 @@ def insert(spec: TableSpec, state: TableState, items, mask, versions, prios, met
              else jnp.zeros((0,), jnp.float32))
   meta_names = list(spec.metadata)
   data_leaves, data_def = jax.tree_util.tree_flatten(state.data)
-  state_ops = [state.occupied, state.key, state.version, state.times_sampled, state.priority,
-               state.occ_tree, state.weight_tree, state.ledger, state.version_hist,
-               state.version_bounds, *[state.metadata[k] for k in meta_names], *data_leaves]
-  rows = [mask, versions, prios, weights, jnp.asarray(n_bad, jnp.uint32),
-          *[meta_rows[k] for k in meta_names], *item_leaves]
+  # The kernel's calling layout (FifoInsertImpl in csrc/kernels.cc): the rows (typed
+  # there), a row per metadata column and item leaf, then the state, each state operand
+  # aliased to the result of the same column (which is typed).
+  rows = [mask, versions, prios, weights, jnp.asarray(n_bad, jnp.uint32)]
+  tail_rows = [*[meta_rows[k] for k in meta_names], *item_leaves]
+  fixed_state = [state.occupied, state.key, state.version, state.times_sampled, state.priority,
+                 state.occ_tree, state.weight_tree, state.ledger, state.version_hist,
+                 state.version_bounds]
+  state_ops = [*fixed_state, *[state.metadata[k] for k in meta_names], *data_leaves]
+  state_at = len(rows) + len(tail_rows)
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops]
   call = jax.ffi.ffi_call("funcreplay_fifo_insert", out_types, vmap_method="sequential",
-                          input_output_aliases={len(rows) + i: i for i in range(len(state_ops))})
-  res = call(*rows, *state_ops, capacity=spec.capacity, n_meta=len(meta_names),
+                          input_output_aliases={state_at + i: i for i in range(len(state_ops))})
+  res = call(*rows, *tail_rows, *state_ops, capacity=spec.capacity, n_meta=len(meta_names),
              n_data=len(data_leaves), ledger=native.ledger_attr(spec))
+  n_fixed = len(fixed_state)
   (occupied, key, version, times, priority, occ_tree, weight_tree, ledger, hist,
-   bounds) = res[:10]
-  k = 10 + len(meta_names)
-  metadata = dict(zip(meta_names, res[10:k]))
+   bounds) = res[:n_fixed]
+  k = n_fixed + len(meta_names)
+  metadata = dict(zip(meta_names, res[n_fixed:k]))
   data = jax.tree_util.tree_unflatten(data_def, res[k:])
   return state.replace(
       data=data, occupied=occupied, key=key, version=version, times_sampled=times,

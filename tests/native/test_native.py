@@ -10,8 +10,9 @@ specs and op sequences). Here, besides the insert / update kernels' identity:
 * statistically: inclusion counts are uniform over exactly the eligible slots
   in every regime of the recipe (descents after holes, masked rounds, the
   O(C) completion under heavy masks, batches that take most of the eligible
-  items, with replacement);
-* the calling layouts: typed operands and the direct path's checked struct.
+  items, with replacement).
+The calling layouts (typed operands, the direct path's checked struct) are
+tests/test_native_layouts.py's.
 
 The core suites (test_core, test_reference_model, test_staleness,
 test_inplace, test_table) also run against both implementations.
@@ -457,68 +458,3 @@ def test_a_ledger_of_the_wrong_size_is_named():
   short = t.init().replace(ledger=jnp.zeros((5,), jnp.uint32))
   with pytest.raises(ValueError, match=r"state.ledger has shape \[5\]"):
     jax.jit(lambda s: t.insert(s, items_from_ids(np.arange(2)), version=0))(short)
-
-
-def test_sample_kernel_refuses_a_reordered_operand():
-  """Issue 24: one checked calling layout. The fixed operands are typed FFI buffers, so a
-  reordered operand (here the key and the params swapped, and the state's first two
-  columns swapped) is an error from XLA's binding, never a misread buffer."""
-  spec = fr.TableSpec(16, {"x": np.zeros(2, np.float32)})
-  t = fr.make_table(spec)
-  state = t.insert(t.init(), {"x": jnp.ones((4, 2))}, version=0)
-  state_ops = [state.occupied, state.key, state.version, state.times_sampled, state.priority,
-               state.occ_tree, state.weight_tree, state.ledger, state.version_hist,
-               state.version_bounds, *jax.tree_util.tree_leaves(state.data)]
-  key = jnp.asarray(jax.random.PRNGKey(0))
-  params = jnp.zeros((2,), jnp.int32)
-  attrs = dict(batch_size=2, capacity=16, replace=False, max_times_sampled=0,
-               has_version=False, max_staleness=-1, split_key=False,
-               packed=np.array([-1], np.int64), ledger=native.ledger_attr(spec),
-               fields=np.zeros((0,), np.int64))
-
-  def call(operands, state_ops):
-    out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops]
-    out_types += [jax.ShapeDtypeStruct((2, 2), jnp.float32)]
-    out_types += [jax.ShapeDtypeStruct((2,), d) for d in (jnp.bool_, jnp.int32, jnp.uint32,
-                                                        jnp.float32, jnp.float32, jnp.int32,
-                                                        jnp.int32)]
-    out_types += [jax.ShapeDtypeStruct((), jnp.int32)] * 2
-    out_types += [jax.ShapeDtypeStruct((2,), jnp.uint32)]
-    f = jax.ffi.ffi_call("funcreplay_sample", out_types)
-    return jax.block_until_ready(jax.jit(lambda *a: f(*a, **attrs))(*operands, *state_ops))
-
-  where = jnp.zeros((0,), bool)
-  call([key, params, where], state_ops)  # the real layout runs
-  with pytest.raises(Exception, match="Wrong buffer dtype"):
-    call([params, key, where], state_ops)
-  swapped = [state_ops[1], state_ops[0], *state_ops[2:]]
-  with pytest.raises(Exception, match="Wrong buffer dtype"):
-    call([key, params, where], swapped)
-
-
-def test_direct_path_refuses_a_mismatched_layout():
-  """Issue 24: the direct call's argument is one ctypes.Structure whose field names,
-  offsets and sizes the library exports; a Python side that disagrees (fields reordered,
-  one missing) is refused at load with the fields named."""
-  import ctypes
-
-  from funcreplay.host import direct
-  from funcreplay.native import build
-
-  lib = build.library()
-  direct.check_layout(lib, 0, direct.SampleArgs)  # the real layouts pass
-  direct.check_layout(lib, 1, direct.UpdateArgs)
-  fields = list(direct.SampleArgs._fields_)
-  fields[1], fields[2] = fields[2], fields[1]  # batch <-> capacity
-
-  class Reordered(ctypes.Structure):
-    _fields_ = fields
-
-  with pytest.raises(RuntimeError, match="calling layouts of Reordered differ.*batch"):
-    direct.check_layout(lib, 0, Reordered)
-
-  class Missing(ctypes.Structure):
-    _fields_ = list(direct.UpdateArgs._fields_)[:-1]
-
-  with pytest.raises(RuntimeError, match="ledger"):
-    direct.check_layout(lib, 1, Missing)

@@ -95,6 +95,34 @@ struct SampleJob {
   int32_t* out_times = nullptr;
   int32_t* out_version = nullptr;
   uint32_t next_key[2] = {0, 0};
+  // Points src / src_stride / row_bytes at the item fields of ``leaves`` ({data, bytes}
+  // of each [C, ...] state array). ``fields`` empty: one field per array; else one
+  // uint32[C, R] array of packed rows, the fields at word offsets 0 = f_0 < ... < f_n = R
+  // (funcreplay/core/storage.py). False if the arrays do not fit that description.
+  bool BindFields(const std::vector<std::pair<const char*, size_t>>& leaves,
+                  const int64_t* fields, size_t n_offsets) {
+    const size_t n = n_offsets == 0 ? leaves.size() : n_offsets - 1;
+    src.resize(n);
+    src_stride.resize(n);
+    row_bytes.resize(n);
+    if (n_offsets == 0) {
+      for (size_t d = 0; d < n; ++d) {
+        src[d] = leaves[d].first;
+        row_bytes[d] = src_stride[d] = capacity > 0 ? leaves[d].second / capacity : 0;
+      }
+      return true;
+    }
+    bool ok = leaves.size() == 1 && n_offsets >= 2 && fields[0] == 0;
+    for (size_t j = 1; ok && j < n_offsets; ++j) ok = fields[j] > fields[j - 1];
+    const size_t stride = static_cast<size_t>(fields[n]) * sizeof(uint32_t);
+    if (!ok || leaves[0].second != static_cast<size_t>(capacity) * stride) return false;
+    for (size_t d = 0; d < n; ++d) {
+      src[d] = leaves[0].first + fields[d] * sizeof(uint32_t);
+      src_stride[d] = stride;
+      row_bytes[d] = static_cast<size_t>(fields[d + 1] - fields[d]) * sizeof(uint32_t);
+    }
+    return true;
+  }
   // Set by the prologue (once: a caller that ran it first keeps its results).
   bool prologue_done = false;
   bool stale = false, masked = false;
