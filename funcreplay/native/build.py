@@ -32,13 +32,14 @@ import jaxlib
 
 # The C++ sources live beside this module in csrc/ (shipped as package data).
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_UNITS = [os.path.join(_HERE, name) for name in ("kernels.cc", "direct.cc")]
+_UNITS = [os.path.join(_HERE, name) for name in ("kernels.cc", "direct.cc", "trajectory.cc")]
 _HEADERS = [os.path.join(_HERE, name)
             for name in ("common.h", "draw.h", "priorities_core.h", "random.h", "rows.h",
                          "sample_core.h")]
 _TARGETS = {"funcreplay_sample": "FuncreplaySample",
             "funcreplay_fifo_insert": "FuncreplayFifoInsert",
-            "funcreplay_update_priorities": "FuncreplayUpdatePriorities"}
+            "funcreplay_update_priorities": "FuncreplayUpdatePriorities",
+            "funcreplay_window_gather": "FuncreplayWindowGather"}
 
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None, "lib": None}

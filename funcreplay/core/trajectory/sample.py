@@ -124,7 +124,7 @@ def _prioritized(spec, state, rng, b, replace, ok):
 
 
 def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int, version=None,
-           where=None, replace: bool = False):
+           where=None, replace: bool = False, executor=None):
   """``(state, Sample)``: ``batch_size`` windows (distinct unless ``replace``).
 
   Args:
@@ -133,6 +133,8 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
     version: int32[] current policy version (staleness mask with ``max_staleness``).
     where: bool[N] window mask (window ``w = env * W + start // period``), or None.
     replace: draw with replacement.
+    executor: None, or a ``functional.TrajectoryExecutor`` whose CPU kernel copies the
+      windows (the draws are this program's either way: same batch, same state).
 
   Returns ``Sample`` with ``data`` leaves ``[B, L, ...]`` (zero where not
   ``valid``), ``valid`` bool[B], ``info`` (``SampleInfo``: ``slot`` = window id,
@@ -164,7 +166,8 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
   # Materialized: XLA:CPU would otherwise fuse the whole draw (random words, prefix sums,
   # descents) into the data gather and recompute it for every gathered element
   # (``inplace.materialize``; 1.3x the step time of the closed form here).
-  state, out = finish(spec, state, materialize(jnp.where(valid, w, 0)), valid, prob, n)
+  state, out = finish(spec, state, materialize(jnp.where(valid, w, 0)), valid, prob, n,
+                      executor)
   if spec.prioritized:
     # ``info.slot`` computed from every read of ``priority`` and the weight tree (through
     # the probabilities): a following ``update_priorities(info.slot, ...)`` in the same
@@ -176,10 +179,11 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
   return state, out
 
 
-def gather_windows(spec: TrajectorySpec, state: TrajectoryState, w, valid):
-  """Every data leaf's ``[B, L, ...]`` steps of windows ``w`` (int32[B], in range), zero
-  where not ``valid``: one gather of ``B * L`` rows per storage leaf (``rows``)."""
-  env, start, _ = st.distance(spec, state, w)
+def gather_storage(spec: TrajectorySpec, data, w, valid):
+  """The storage leaves' (``state.data``) ``[B, L, ...]`` rows of windows ``w`` (int32[B],
+  in range), zero where not ``valid``: one gather of ``B * L`` rows per storage leaf."""
+  env = w // spec.windows_per_env
+  start = (w % spec.windows_per_env) * spec.period
   cap, ln = spec.time_capacity, spec.sequence_length
   flat = env[:, None] * cap + (start[:, None] + jnp.arange(ln, dtype=jnp.int32)[None, :]) % cap
   flat = materialize(flat.reshape(-1)).reshape(flat.shape)  # computed once, not per element
@@ -188,12 +192,26 @@ def gather_windows(spec: TrajectorySpec, state: TrajectoryState, w, valid):
     got = x.reshape((-1,) + x.shape[2:])[flat]
     v = valid.reshape((-1,) + (1,) * (got.ndim - 1))
     return jnp.where(v, got, jnp.zeros((), x.dtype))
-  return rows.unpack(spec, jax.tree_util.tree_map(take, state.data), 2)
+  return jax.tree_util.tree_map(take, data)
 
 
-def finish(spec: TrajectorySpec, state: TrajectoryState, w, valid, prob, n):
+def gather_windows(spec: TrajectorySpec, state: TrajectoryState, w, valid, executor=None):
+  """Every data leaf's ``[B, L, ...]`` steps of windows ``w`` (int32[B], in range), zero
+  where not ``valid``. ``executor`` (``functional.TrajectoryExecutor`` or None): on CPU its
+  ``gather_windows`` copies the same rows (``lax.platform_dependent``; elsewhere the
+  portable gather)."""
+  if executor is not None and executor.supports(spec) and executor.available():
+    got = lax.platform_dependent(
+        state.data, w, valid, default=lambda d, w, v: gather_storage(spec, d, w, v),
+        cpu=lambda d, w, v: executor.gather_windows(spec, d, w, v))
+  else:
+    got = gather_storage(spec, state.data, w, valid)
+  return rows.unpack(spec, got, 2)
+
+
+def finish(spec: TrajectorySpec, state: TrajectoryState, w, valid, prob, n, executor=None):
   """Gather, count and describe the windows ``w`` (int32[B] in range): ``(state, Sample)``."""
-  data = gather_windows(spec, state, w, valid)
+  data = gather_windows(spec, state, w, valid, executor)
   times = state.times_sampled.at[jnp.where(valid, w, spec.num_windows)].add(1, mode="drop")
   n_valid = jnp.sum(valid, dtype=jnp.int32)
   counters = state.counters.at[1].set(ctr.add(state.counters[1], n_valid))

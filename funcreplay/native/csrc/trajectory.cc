@@ -1,0 +1,116 @@
+// The native executor of trajectory tables (funcreplay/native/trajectory.py):
+// the window gather of ``sample`` in one XLA FFI call.
+//
+// Why only the gather: a trajectory sample draws B window ids (a few XLA
+// operations, ~7 us per call here) and then gathers B * L step rows per
+// storage leaf. XLA:CPU gathers element by element (~80 us for 64 windows of
+// 32 steps of 76 bytes, 2,048 rows), while a window is L consecutive ring
+// positions of one env: at most two contiguous runs of memory. This kernel
+// copies each window with one or two memcpy per leaf straight into the
+// output. The draws stay in JAX (the portable program, unchanged), so the
+// native and portable samples are bit-identical by construction: the same
+// ids pick the same bytes, and rows that are not valid are zero bytes as in
+// the portable ``jnp.where(valid, rows, 0)``.
+//
+// Operands: w int32[B] (window ids, each in [0, E * W)), valid bool[B], then
+// the storage leaves, each [E, T, ...] (any whole-byte dtype).
+// Results: per storage leaf, [B, L, ...] of its dtype.
+// Attributes: num_envs E, time_capacity T, sequence_length L, period p
+// (window w = env * W + j starts at ring position j * p, W = T / p).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using S32_1 = ffi::Buffer<ffi::S32, 1>;
+using Bool1 = ffi::Buffer<ffi::PRED, 1>;
+
+// Copies ahead of time the first cache lines of the window this many windows
+// ahead: the windows are random places in arrays far larger than the caches.
+constexpr int64_t kWindowsAhead = 4;
+constexpr int64_t kLine = 64;
+
+ffi::Error WindowGatherImpl(S32_1 w, Bool1 valid, ffi::RemainingArgs data,
+                            ffi::RemainingRets out, int64_t num_envs, int64_t time_capacity,
+                            int64_t sequence_length, int64_t period) {
+  const int64_t b = static_cast<int64_t>(w.element_count());
+  const int64_t e = num_envs, t = time_capacity, ln = sequence_length, p = period;
+  if (p < 1 || t % p != 0 || ln < 1 || ln > t || e < 1 ||
+      valid.element_count() != static_cast<size_t>(b) || data.size() != out.size()) {
+    return ffi::Error::InvalidArgument(
+        "funcreplay_window_gather: operands do not match the call layout (w int32[B], "
+        "valid bool[B], the storage leaves [E, T, ...], one result [B, L, ...] per leaf)");
+  }
+  const int64_t n_windows = e * (t / p), per_env = t / p;
+  const int32_t* ids = w.typed_data();
+  const bool* ok = valid.typed_data();
+  for (int64_t i = 0; i < b; ++i) {
+    if (ok[i] && (ids[i] < 0 || ids[i] >= n_windows)) {
+      return ffi::Error::InvalidArgument(
+          "funcreplay_window_gather: window id " + std::to_string(ids[i]) +
+          " out of range [0, " + std::to_string(n_windows) + ")");
+    }
+  }
+  for (size_t d = 0; d < data.size(); ++d) {
+    auto src_buf = data.get<ffi::AnyBuffer>(d).value();
+    auto dst_buf = out.get<ffi::AnyBuffer>(d).value();
+    const size_t src_bytes = src_buf.size_bytes(), dst_bytes = dst_buf->size_bytes();
+    if (src_bytes % static_cast<size_t>(e * t) != 0 ||
+        dst_bytes != src_bytes / static_cast<size_t>(e * t) * static_cast<size_t>(b * ln)) {
+      return ffi::Error::InvalidArgument(
+          "funcreplay_window_gather: storage leaf " + std::to_string(d) +
+          " and its result disagree on the step's size");
+    }
+    const size_t row = src_bytes / static_cast<size_t>(e * t);
+    const char* src = static_cast<const char*>(src_buf.untyped_data());
+    char* dst = static_cast<char*>(dst_buf->untyped_data());
+    const size_t window = row * static_cast<size_t>(ln);
+    auto first_row = [&](int64_t i) {
+      const int64_t env = ids[i] / per_env, start = (ids[i] % per_env) * p;
+      return src + static_cast<size_t>(env * t + start) * row;
+    };
+    for (int64_t i = 0; i < std::min<int64_t>(kWindowsAhead, b); ++i) {
+      if (ok[i]) __builtin_prefetch(first_row(i));
+    }
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t ahead = i + kWindowsAhead;
+      if (ahead < b && ok[ahead]) {
+        const char* q = first_row(ahead);
+        for (size_t at = 0; at < std::min<size_t>(window, 4 * kLine); at += kLine) {
+          __builtin_prefetch(q + at);
+        }
+      }
+      char* to = dst + static_cast<size_t>(i) * window;
+      if (!ok[i]) {
+        std::memset(to, 0, window);
+        continue;
+      }
+      const int64_t env = ids[i] / per_env, start = (ids[i] % per_env) * p;
+      const int64_t run = std::min(ln, t - start);  // steps before the ring wraps
+      const char* base = src + static_cast<size_t>(env * t) * row;
+      std::memcpy(to, base + static_cast<size_t>(start) * row, static_cast<size_t>(run) * row);
+      if (run < ln) std::memcpy(to + run * row, base, static_cast<size_t>(ln - run) * row);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayWindowGather, WindowGatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<S32_1>()  // w
+                                  .Arg<Bool1>()  // valid
+                                  .RemainingArgs()  // storage leaves [E, T, ...]
+                                  .RemainingRets()  // [B, L, ...] per leaf
+                                  .Attr<int64_t>("num_envs")
+                                  .Attr<int64_t>("time_capacity")
+                                  .Attr<int64_t>("sequence_length")
+                                  .Attr<int64_t>("period"));

@@ -1,0 +1,102 @@
+"""The native executor of trajectory tables: the window gather of ``sample`` in C++.
+
+``fr.make_trajectory_table(spec, native=None)`` builds the core's trajectory
+table (``funcreplay.core.trajectory``) with ``NATIVE`` as its executor when the
+native kernels are enabled (``native.use_native``: True / False as given, None
+reads ``FUNCREPLAY_NATIVE`` now). On CPU every ``sample`` program (uniform or
+prioritized, with or without masks) then copies its ``B`` windows with one
+XLA FFI call (``csrc/trajectory.cc``: each window is at most two contiguous runs
+of its env's ring, one ``memcpy`` each per storage leaf) instead of XLA's
+element-wise gather of ``B * L`` rows; other backends run the portable gather
+(``lax.platform_dependent``). The draws, bookkeeping and ``add`` are the
+portable programs in both cases, so for the same ``(state, key)`` the batch and
+the new state are bit-identical with the kernel on or off
+(``tests/test_trajectory_native.py``). BUILD.md "Trajectory tables".
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from funcreplay import native as native_lib
+from funcreplay.core.trajectory import functional
+from funcreplay.core.trajectory.spec import TrajectorySpec
+
+TARGET = "funcreplay_window_gather"  # the FFI target (native.build registers it)
+
+
+def supports(spec: TrajectorySpec) -> bool:
+  """True if ``spec``'s storage has a native gather: whole-byte dtypes on every leaf (the
+  kernel copies rows as bytes; XLA:CPU packs sub-byte types two or more per byte)."""
+  return all(jax.dtypes.itemsize_bits(leaf.dtype) % 8 == 0
+             for leaf in spec.signature.leaves)
+
+
+def gather_windows(spec: TrajectorySpec, data, w, valid):
+  """The storage leaves' ``[B, L, ...]`` rows of windows ``w`` (int32[B], in range where
+  ``valid``), zero where not ``valid``: one FFI call for every leaf. Bit for bit
+  ``core.trajectory.sample.gather_storage``."""
+  leaves, treedef = jax.tree_util.tree_flatten(data)
+  b, ln = w.shape[0], spec.sequence_length
+  out_types = [jax.ShapeDtypeStruct((b, ln) + x.shape[2:], x.dtype) for x in leaves]
+  call = jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")
+  got = call(jnp.asarray(w, jnp.int32), jnp.asarray(valid, bool), *leaves,
+             num_envs=spec.num_envs, time_capacity=spec.time_capacity,
+             sequence_length=ln, period=spec.period)
+  return jax.tree_util.tree_unflatten(treedef, got)
+
+
+class NativeTrajectoryExecutor:
+  """``core.trajectory.functional.TrajectoryExecutor`` backed by ``csrc/trajectory.cc``."""
+
+  def available(self) -> bool:
+    # Asked while tracing: report only, never build (``choose`` built the kernels).
+    return native_lib.loaded()
+
+  def supports(self, spec: TrajectorySpec) -> bool:
+    return supports(spec)
+
+  def gather_windows(self, spec: TrajectorySpec, data, w, valid):
+    return gather_windows(spec, data, w, valid)
+
+  def __repr__(self) -> str:
+    return "NATIVE_TRAJECTORY"
+
+
+NATIVE = NativeTrajectoryExecutor()
+
+
+def choose(native: Optional[bool]) -> Optional[NativeTrajectoryExecutor]:
+  """``NATIVE`` or None for a table's ``native`` argument; choosing ``NATIVE`` builds and
+  loads the kernels now (a missing compiler: one warning, then the portable gather)."""
+  if native_lib.use_native(native):
+    native_lib.ensure_built()  # now, when the programs are built: never inside a trace
+    return NATIVE
+  return None
+
+
+def make_trajectory_table(spec: TrajectorySpec, *,
+                          native: Optional[bool] = None) -> functional.TrajectoryTable:
+  """Build the pure functions of the trajectory table ``spec`` describes.
+
+  ``native``: on CPU, copy the sampled windows with the native kernel (same
+  batches and states as the portable program, fewer XLA operations). False
+  keeps the portable JAX implementation; None (default): the
+  ``FUNCREPLAY_NATIVE`` environment variable, read now (unset: True).
+
+  Example::
+
+    spec = fr.TrajectorySpec(num_envs=16, time_capacity=65536, sequence_length=32,
+                             period=8, signature=step_example)
+    table = fr.make_trajectory_table(spec)
+    state = table.init()
+    state = table.add(state, steps)  # leaves [16, t, ...]
+    state, batch = table.sample(state, rng, batch_size=64)  # leaves [64, 32, ...]
+  """
+  if not isinstance(spec, TrajectorySpec):
+    raise TypeError(f"make_trajectory_table expects a TrajectorySpec, got "
+                    f"{type(spec).__name__}.")
+  return functional.make_trajectory_table(spec, executor=choose(native))
