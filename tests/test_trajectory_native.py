@@ -138,6 +138,38 @@ def test_native_equals_portable(num_envs, period, length, reps, cross, prio, reu
     assert_trees_equal(s_n, s_p, f"op {i} ({op}): state")
 
 
+@settings(max_examples=10, deadline=None)
+@given(num_envs=hst.integers(1, 4), period=hst.sampled_from([1, 2, 3]),
+       length=hst.integers(1, 5), reps=hst.integers(1, 3),
+       adds=hst.lists(hst.tuples(hst.integers(1, 7), hst.integers(0, 15)), min_size=1,
+                      max_size=6),
+       seed=hst.integers(0, 2**31 - 1))
+def test_native_closed_form_draw_equals_portable(num_envs, period, length, reps, adds, seed):
+  """The native uniform draw of a table without episode tracking (``cross_episodes=True``,
+  no masks) picks the portable program's windows: uneven envs, wraps, every batch size
+  from 1 to past the stored windows, with and without replacement, raw and typed keys."""
+  cap = period * max(reps, -(-length // period))
+  spec = fr.TrajectorySpec(num_envs, cap, length, period, PACKED, cross_episodes=True)
+  nat, por = jitted(spec, True), jitted(spec, False)
+  s_n, s_p = nat.init(), por.init()
+  count = np.zeros(num_envs, np.int64)
+  for i, (t, bits_) in enumerate(adds):
+    t = min(t, cap)
+    mask = np.array([(bits_ >> e) & 1 == 0 for e in range(num_envs)])
+    payload = count[:, None] + np.arange(t)[None, :]
+    s_n = nat.add(s_n, steps_of(PACKED, payload), mask=jnp.asarray(mask))
+    s_p = por.add(s_p, steps_of(PACKED, payload), mask=jnp.asarray(mask))
+    count += np.where(mask, t, 0)
+    for b in (1, 3, spec.num_windows + 1):
+      for replace in (False, True):
+        key = jax.random.key(seed + i) if replace else jax.random.PRNGKey(seed + i)
+        o_n = nat.sample(s_n, key, batch_size=b, replace=replace)
+        o_p = por.sample(s_p, key, batch_size=b, replace=replace)
+        assert_trees_equal(o_n, o_p, f"add {i}: sample b={b} replace={replace}")
+        check_windows(spec, o_n[1], count)
+    s_n, s_p = o_n[0], o_p[0]
+
+
 @pytest.mark.parametrize("num_envs,period,length", [(3, 1, 5), (2, 4, 8), (5, 3, 4)])
 def test_increasing_payload_many_wraps_in_a_scan(num_envs, period, length):
   """flashbax PR #51's invariant with the native gather inside one ``lax.scan`` (12 wraps,
@@ -180,6 +212,14 @@ def test_kernel_runs_only_when_chosen(monkeypatch):
   assert native_traj.TARGET not in _compiled(fr.make_trajectory_table(spec), spec)
   monkeypatch.setenv("FUNCREPLAY_NATIVE", "1")
   assert native_traj.TARGET in _compiled(fr.make_trajectory_table(spec), spec)
+  # The closed-form uniform draw (no episode tracking, no mask) runs natively too.
+  assert native_traj.DRAW_TARGET not in _compiled(fr.make_trajectory_table(spec, native=True),
+                                                  spec)
+  cross = spec.replace(cross_episodes=True)
+  assert native_traj.DRAW_TARGET in _compiled(fr.make_trajectory_table(cross, native=True),
+                                              cross)
+  assert native_traj.DRAW_TARGET not in _compiled(fr.make_trajectory_table(cross, native=False),
+                                                  cross)
   # Sub-byte leaves are packed two per byte by XLA: the portable gather, same results.
   int4 = fr.TrajectorySpec(2, 16, 4, 2, {"x": jax.ShapeDtypeStruct((), jnp.int4)})
   assert not native_traj.supports(int4)

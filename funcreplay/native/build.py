@@ -1,8 +1,9 @@
 """Compile the native kernels once per (sources, jaxlib) and register their FFI targets.
 
-One shared library holds ``kernels.cc`` (the XLA FFI handlers) and
-``direct.cc`` (the direct host entry points, ``funcreplay.host.direct``),
-which share the headers of ``csrc/`` (``sample_core.h`` and ``priorities_core.h``: the
+One shared library holds ``kernels.cc`` (the XLA FFI handlers),
+``direct.cc`` (the direct host entry points, ``funcreplay.host.direct``) and
+``trajectory.cc`` (the trajectory tables' window gather, ``native.trajectory``);
+the first two share the headers of ``csrc/`` (``sample_core.h`` and ``priorities_core.h``: the
 kernels' bodies). It is built on first use with
 the system C++ compiler (``$CXX``, else ``c++``/``g++``) against the XLA FFI
 headers that ship with jaxlib (``jax.ffi.include_dir()``), and cached in
@@ -39,7 +40,8 @@ _HEADERS = [os.path.join(_HERE, name)
 _TARGETS = {"funcreplay_sample": "FuncreplaySample",
             "funcreplay_fifo_insert": "FuncreplayFifoInsert",
             "funcreplay_update_priorities": "FuncreplayUpdatePriorities",
-            "funcreplay_window_gather": "FuncreplayWindowGather"}
+            "funcreplay_window_gather": "FuncreplayWindowGather",
+            "funcreplay_window_draw": "FuncreplayWindowDraw"}
 
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None, "lib": None}

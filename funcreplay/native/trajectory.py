@@ -25,7 +25,8 @@ from funcreplay import native as native_lib
 from funcreplay.core.trajectory import functional
 from funcreplay.core.trajectory.spec import TrajectorySpec
 
-TARGET = "funcreplay_window_gather"  # the FFI target (native.build registers it)
+TARGET = "funcreplay_window_gather"  # the FFI targets (native.build registers them)
+DRAW_TARGET = "funcreplay_window_draw"
 
 
 def supports(spec: TrajectorySpec) -> bool:
@@ -49,6 +50,21 @@ def gather_windows(spec: TrajectorySpec, data, w, valid):
   return jax.tree_util.tree_unflatten(treedef, got)
 
 
+def draw_closed_form(spec: TrajectorySpec, head, filled, rng, b: int, replace: bool):
+  """``(w int32[b], valid bool[b], n int32[])``: the uniform draw of a table without episode
+  tracking, no masks (``core.trajectory.sample._closed_form``, bit for bit; ``w`` is
+  meaningful where ``valid``); ``rng`` a threefry key (raw or typed)."""
+  key = jax.random.key_data(rng) if jnp.issubdtype(jnp.asarray(rng).dtype,
+                                                    jax.dtypes.prng_key) else rng
+  out_types = [jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
+               jax.ShapeDtypeStruct((1,), jnp.int32)]
+  call = jax.ffi.ffi_call(DRAW_TARGET, out_types, vmap_method="sequential")
+  w, valid, n = call(jnp.asarray(key).astype(jnp.uint32).reshape(-1), head, filled,
+                     time_capacity=spec.time_capacity, sequence_length=spec.sequence_length,
+                     period=spec.period, replace=bool(replace))
+  return w, valid, n[0]
+
+
 class NativeTrajectoryExecutor:
   """``core.trajectory.functional.TrajectoryExecutor`` backed by ``csrc/trajectory.cc``."""
 
@@ -61,6 +77,9 @@ class NativeTrajectoryExecutor:
 
   def gather_windows(self, spec: TrajectorySpec, data, w, valid):
     return gather_windows(spec, data, w, valid)
+
+  def draw_closed_form(self, spec: TrajectorySpec, head, filled, rng, b: int, replace: bool):
+    return draw_closed_form(spec, head, filled, rng, b, replace)
 
   def __repr__(self) -> str:
     return "NATIVE_TRAJECTORY"

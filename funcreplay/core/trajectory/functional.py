@@ -21,7 +21,10 @@ class TrajectoryExecutor(Protocol):
   is static; ``available()`` is asked while tracing and must only report.
   ``gather_windows(spec, data, w, valid)`` returns what ``sample.gather_storage``
   returns (the storage leaves' ``[B, L, ...]`` rows, zero where not ``valid``),
-  bit for bit; the sample calls it under ``lax.platform_dependent`` (CPU only).
+  bit for bit; ``draw_closed_form(spec, head, filled, rng, b, replace)`` returns
+  ``(w, valid, n)`` as ``sample._closed_form`` (the uniform draw without episode
+  tracking or masks; a threefry ``rng``), ``w`` where ``valid``. The sample calls
+  both under ``lax.platform_dependent`` (CPU only).
   """
 
   def available(self) -> bool: ...
@@ -30,13 +33,16 @@ class TrajectoryExecutor(Protocol):
 
   def gather_windows(self, spec: TrajectorySpec, data, w, valid) -> Any: ...
 
+  def draw_closed_form(self, spec: TrajectorySpec, head, filled, rng, b: int,
+                       replace: bool) -> Any: ...
+
 
 def check_executor(executor) -> Optional[TrajectoryExecutor]:
   """``executor`` if it is None or has the ``TrajectoryExecutor`` methods; a ``TypeError``
   naming what it lacks otherwise (a bare ``True`` is the usual mistake)."""
   if executor is None:
     return None
-  missing = [m for m in ("available", "supports", "gather_windows")
+  missing = [m for m in ("available", "supports", "gather_windows", "draw_closed_form")
              if not callable(getattr(executor, m, None))]
   if missing:
     raise TypeError(f"make_trajectory_table: executor must be None or a trajectory executor "

@@ -37,6 +37,7 @@ from jax import lax
 from funcreplay.core import bits, inplace, numerics, staleness, trees
 from funcreplay.core import counters as ctr
 from funcreplay.core.inplace import materialize
+from funcreplay.core.sampling import exact
 from funcreplay.core.sampling.uniform_lean import kth_occupied, positions
 from funcreplay.core.state import Sample, SampleInfo
 from funcreplay.core.trajectory import index, prioritized, rows
@@ -133,8 +134,9 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
     version: int32[] current policy version (staleness mask with ``max_staleness``).
     where: bool[N] window mask (window ``w = env * W + start // period``), or None.
     replace: draw with replacement.
-    executor: None, or a ``functional.TrajectoryExecutor`` whose CPU kernel copies the
-      windows (the draws are this program's either way: same batch, same state).
+    executor: None, or a ``functional.TrajectoryExecutor``: on CPU its kernels copy the
+      windows and run the closed-form uniform draw (threefry keys), bit for bit this
+      program's (same batch, same state).
 
   Returns ``Sample`` with ``data`` leaves ``[B, L, ...]`` (zero where not
   ``valid``), ``valid`` bool[B], ``info`` (``SampleInfo``: ``slot`` = window id,
@@ -159,6 +161,11 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
     x, valid = positions(rng, n, b, replace, spec.num_windows)
     w = jnp.minimum(index.kth(state.ok_bits, state.ok_tree, jnp.where(valid, x, 0)),
                     spec.num_windows - 1)
+  elif executor is not None and executor.supports(spec) and exact.is_threefry(rng) \
+      and executor.available():
+    w, valid, n = lax.platform_dependent(
+        state, default=lambda s: _closed_form(spec, s, rng, b, replace),
+        cpu=lambda s: executor.draw_closed_form(spec, s.head, s.filled, rng, b, replace))
   else:
     w, valid, n = _closed_form(spec, state, rng, b, replace)
   if prob is None:

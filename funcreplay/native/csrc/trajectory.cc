@@ -22,7 +22,9 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
+#include "random.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -30,7 +32,67 @@ namespace ffi = xla::ffi;
 namespace {
 
 using S32_1 = ffi::Buffer<ffi::S32, 1>;
+using U32_1 = ffi::Buffer<ffi::U32, 1>;
 using Bool1 = ffi::Buffer<ffi::PRED, 1>;
+
+// Python's (and jnp's) floor modulo for a divisor > 0.
+inline int64_t FloorMod(int64_t a, int64_t m) { return ((a % m) + m) % m; }
+
+// The lean uniform draw of a trajectory table without episode tracking
+// (funcreplay/core/trajectory/sample.py ``_closed_form``, bit for bit): per env the
+// stored windows lie at distances d0, d0 + p, ... up to ``filled`` behind the head
+// (d0 = L + ((head - L) mod p)); positions x in [0, n) on stream 0 of the key
+// (``uniform_lean.positions``: the C++ ``Positions`` of the item tables' kernels) map
+// to (env, distance) through the prefix sum of the per-env counts.
+// Operands: key uint32[2] (threefry key data), head int32[E], filled int32[E].
+// Results: w int32[B] (window ids; 0 where not valid), valid bool[B], n int32[1]
+// (the stored windows).
+ffi::Error WindowDrawImpl(U32_1 key, S32_1 head, S32_1 filled, ffi::Result<S32_1> w_out,
+                          ffi::Result<Bool1> valid_out, ffi::Result<S32_1> n_out,
+                          int64_t time_capacity, int64_t sequence_length, int64_t period,
+                          bool replace) {
+  const int64_t e = static_cast<int64_t>(head.element_count());
+  const int64_t b = static_cast<int64_t>(w_out->element_count());
+  const int64_t t = time_capacity, ln = sequence_length, p = period;
+  if (key.element_count() != 2 || e < 1 || filled.element_count() != head.element_count() ||
+      valid_out->element_count() != static_cast<size_t>(b) || n_out->element_count() != 1 ||
+      p < 1 || t % p != 0 || ln < 1 || ln > t) {
+    return ffi::Error::InvalidArgument(
+        "funcreplay_window_draw: operands do not match the call layout (key uint32[2], "
+        "head int32[E], filled int32[E]; w int32[B], valid bool[B], n int32[1])");
+  }
+  const int32_t* hd = head.typed_data();
+  const int32_t* fl = filled.typed_data();
+  std::vector<int64_t> d0(e), cnt(e), cs(e);
+  int64_t total = 0;
+  for (int64_t i = 0; i < e; ++i) {
+    d0[i] = ln + FloorMod(hd[i] - ln, p);
+    cnt[i] = fl[i] >= d0[i] ? (fl[i] - d0[i]) / p + 1 : 0;
+    total += cnt[i];
+    cs[i] = total;
+  }
+  std::vector<int64_t> x(b, 0);
+  const int64_t n_valid = funcreplay::Positions(key.typed_data()[0], key.typed_data()[1], 0,
+                                                total, b, replace, b, x.data());
+  int32_t* w = w_out->typed_data();
+  bool* valid = valid_out->typed_data();
+  const int64_t per_env = t / p;
+  for (int64_t i = 0; i < b; ++i) {
+    valid[i] = i < n_valid;
+    if (!valid[i]) {
+      w[i] = 0;
+      continue;
+    }
+    // env = #{e : cs[e] <= x} (cs is non-decreasing), at most E - 1.
+    const int64_t env = std::min<int64_t>(
+        std::upper_bound(cs.begin(), cs.end(), x[i]) - cs.begin(), e - 1);
+    const int64_t d = d0[env] + (x[i] - (cs[env] - cnt[env])) * p;
+    const int64_t start = FloorMod(hd[env] - d, t);
+    w[i] = static_cast<int32_t>(env * per_env + start / p);
+  }
+  n_out->typed_data()[0] = static_cast<int32_t>(total);
+  return ffi::Error::Success();
+}
 
 // Copies ahead of time the first cache lines of the window this many windows
 // ahead: the windows are random places in arrays far larger than the caches.
@@ -114,3 +176,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayWindowGather, WindowGatherImpl,
                                   .Attr<int64_t>("time_capacity")
                                   .Attr<int64_t>("sequence_length")
                                   .Attr<int64_t>("period"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayWindowDraw, WindowDrawImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<U32_1>()  // key
+                                  .Arg<S32_1>()  // head
+                                  .Arg<S32_1>()  // filled
+                                  .Ret<S32_1>()  // w
+                                  .Ret<Bool1>()  // valid
+                                  .Ret<S32_1>()  // n
+                                  .Attr<int64_t>("time_capacity")
+                                  .Attr<int64_t>("sequence_length")
+                                  .Attr<int64_t>("period")
+                                  .Attr<bool>("replace"));
