@@ -88,7 +88,7 @@ OPS = hst.lists(hst.tuples(hst.sampled_from(["add", "add", "sample", "update"]),
                            hst.integers(0, 2**16), hst.booleans()), min_size=2, max_size=9)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(num_envs=hst.integers(1, 3), period=hst.sampled_from([1, 2, 3]),
        length=hst.integers(1, 5), reps=hst.integers(1, 3), cross=hst.booleans(),
        prio=hst.booleans(), reuse=hst.sampled_from([0, 2]),
@@ -138,16 +138,16 @@ def test_native_equals_portable(num_envs, period, length, reps, cross, prio, reu
     assert_trees_equal(s_n, s_p, f"op {i} ({op}): state")
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(num_envs=hst.integers(1, 4), period=hst.sampled_from([1, 2, 3]),
        length=hst.integers(1, 5), reps=hst.integers(1, 3),
        adds=hst.lists(hst.tuples(hst.integers(1, 7), hst.integers(0, 15)), min_size=1,
-                      max_size=6),
+                      max_size=4),
        seed=hst.integers(0, 2**31 - 1))
 def test_native_closed_form_draw_equals_portable(num_envs, period, length, reps, adds, seed):
   """The native uniform draw of a table without episode tracking (``cross_episodes=True``,
-  no masks) picks the portable program's windows: uneven envs, wraps, every batch size
-  from 1 to past the stored windows, with and without replacement, raw and typed keys."""
+  no masks) picks the portable program's windows: uneven envs, wraps, batch sizes up
+  to past the stored windows, with and without replacement, raw and typed keys."""
   cap = period * max(reps, -(-length // period))
   spec = fr.TrajectorySpec(num_envs, cap, length, period, PACKED, cross_episodes=True)
   nat, por = jitted(spec, True), jitted(spec, False)
@@ -160,13 +160,12 @@ def test_native_closed_form_draw_equals_portable(num_envs, period, length, reps,
     s_n = nat.add(s_n, steps_of(PACKED, payload), mask=jnp.asarray(mask))
     s_p = por.add(s_p, steps_of(PACKED, payload), mask=jnp.asarray(mask))
     count += np.where(mask, t, 0)
-    for b in (1, 3, spec.num_windows + 1):
-      for replace in (False, True):
-        key = jax.random.key(seed + i) if replace else jax.random.PRNGKey(seed + i)
-        o_n = nat.sample(s_n, key, batch_size=b, replace=replace)
-        o_p = por.sample(s_p, key, batch_size=b, replace=replace)
-        assert_trees_equal(o_n, o_p, f"add {i}: sample b={b} replace={replace}")
-        check_windows(spec, o_n[1], count)
+    for b, replace in ((3, False), (spec.num_windows + 1, False), (3, True)):
+      key = jax.random.key(seed + i) if replace else jax.random.PRNGKey(seed + i)
+      o_n = nat.sample(s_n, key, batch_size=b, replace=replace)
+      o_p = por.sample(s_p, key, batch_size=b, replace=replace)
+      assert_trees_equal(o_n, o_p, f"add {i}: sample b={b} replace={replace}")
+      check_windows(spec, o_n[1], count)
     s_n, s_p = o_n[0], o_p[0]
 
 
