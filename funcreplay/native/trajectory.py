@@ -7,10 +7,12 @@ reads ``FUNCREPLAY_NATIVE`` now). On CPU every ``sample`` program (uniform or
 prioritized, with or without masks) then copies its ``B`` windows with one
 XLA FFI call (``csrc/trajectory.cc``: each window is at most two contiguous runs
 of its env's ring, one ``memcpy`` each per storage leaf) instead of XLA's
-element-wise gather of ``B * L`` rows; other backends run the portable gather
-(``lax.platform_dependent``). The draws, bookkeeping and ``add`` are the
-portable programs in both cases, so for the same ``(state, key)`` the batch and
-the new state are bit-identical with the kernel on or off
+element-wise gather of ``B * L`` rows, and the closed-form uniform draw
+(``cross_episodes=True``, no masks, threefry keys) is a second call; other
+backends run the portable programs (``lax.platform_dependent``). The other
+draws, the bookkeeping and ``add`` are the portable programs, and the kernels
+follow the portable recipe, so for the same ``(state, key)`` the batch and the
+new state are bit-identical with the kernels on or off
 (``tests/test_trajectory_native.py``). BUILD.md "Trajectory tables".
 """
 

@@ -1,18 +1,20 @@
 // The native executor of trajectory tables (funcreplay/native/trajectory.py):
-// the window gather of ``sample`` in one XLA FFI call.
+// two XLA FFI kernels of ``sample``.
 //
-// Why only the gather: a trajectory sample draws B window ids (a few XLA
+// funcreplay_window_gather: a trajectory sample draws B window ids (a few XLA
 // operations, ~7 us per call here) and then gathers B * L step rows per
 // storage leaf. XLA:CPU gathers element by element (~80 us for 64 windows of
 // 32 steps of 76 bytes, 2,048 rows), while a window is L consecutive ring
 // positions of one env: at most two contiguous runs of memory. This kernel
-// copies each window with one or two memcpy per leaf straight into the
-// output. The draws stay in JAX (the portable program, unchanged), so the
-// native and portable samples are bit-identical by construction: the same
-// ids pick the same bytes, and rows that are not valid are zero bytes as in
-// the portable ``jnp.where(valid, rows, 0)``.
+// copies each window with one or two memcpy per storage leaf straight into
+// the output (~11 us). Rows that are not valid are zero bytes, as the
+// portable ``jnp.where(valid, rows, 0)``: the same ids give the same bytes.
 //
-// Operands: w int32[B] (window ids, each in [0, E * W)), valid bool[B], then
+// funcreplay_window_draw (below): the closed-form uniform draw of the ids
+// (tables without episode tracking, no masks), bit for bit the portable one.
+// The other draws (episode index, prioritized, masked) stay in JAX.
+//
+// Gather operands: w int32[B] (window ids, each in [0, E * W)), valid bool[B], then
 // the storage leaves, each [E, T, ...] (any whole-byte dtype).
 // Results: per storage leaf, [B, L, ...] of its dtype.
 // Attributes: num_envs E, time_capacity T, sequence_length L, period p
