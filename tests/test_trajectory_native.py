@@ -143,22 +143,26 @@ def test_native_equals_portable(num_envs, period, length, reps, cross, prio, reu
        length=hst.integers(1, 5), reps=hst.integers(1, 3),
        adds=hst.lists(hst.tuples(hst.integers(1, 7), hst.integers(0, 15)), min_size=1,
                       max_size=4),
-       seed=hst.integers(0, 2**31 - 1))
-def test_native_closed_form_draw_equals_portable(num_envs, period, length, reps, adds, seed):
-  """The native uniform draw of a table without episode tracking (``cross_episodes=True``,
-  no masks) picks the portable program's windows: uneven envs, wraps, batch sizes up
+       cross=hst.booleans(), seed=hst.integers(0, 2**31 - 1))
+def test_native_lean_draws_equal_portable(num_envs, period, length, reps, adds, cross, seed):
+  """The native uniform draws without masks (closed form with ``cross_episodes=True``, the
+  episode index otherwise) pick the portable program's windows: uneven envs, wraps, batch sizes up
   to past the stored windows, with and without replacement, raw and typed keys."""
   cap = period * max(reps, -(-length // period))
-  spec = fr.TrajectorySpec(num_envs, cap, length, period, PACKED, cross_episodes=True)
+  spec = fr.TrajectorySpec(num_envs, cap, length, period, PACKED, cross_episodes=cross)
   nat, por = jitted(spec, True), jitted(spec, False)
   s_n, s_p = nat.init(), por.init()
   count = np.zeros(num_envs, np.int64)
+  rs = np.random.RandomState(seed)
   for i, (t, bits_) in enumerate(adds):
     t = min(t, cap)
     mask = np.array([(bits_ >> e) & 1 == 0 for e in range(num_envs)])
     payload = count[:, None] + np.arange(t)[None, :]
-    s_n = nat.add(s_n, steps_of(PACKED, payload), mask=jnp.asarray(mask))
-    s_p = por.add(s_p, steps_of(PACKED, payload), mask=jnp.asarray(mask))
+    kw = dict(mask=jnp.asarray(mask))
+    if not cross:
+      kw["first"] = jnp.asarray(rs.rand(num_envs, t) < 0.1)
+    s_n = nat.add(s_n, steps_of(PACKED, payload), **kw)
+    s_p = por.add(s_p, steps_of(PACKED, payload), **kw)
     count += np.where(mask, t, 0)
     for b, replace in ((3, False), (spec.num_windows + 1, False), (3, True)):
       key = jax.random.key(seed + i) if replace else jax.random.PRNGKey(seed + i)
@@ -167,6 +171,28 @@ def test_native_closed_form_draw_equals_portable(num_envs, period, length, reps,
       assert_trees_equal(o_n, o_p, f"add {i}: sample b={b} replace={replace}")
       check_windows(spec, o_n[1], count)
     s_n, s_p = o_n[0], o_p[0]
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_lean_draws_every_rank(cross):
+  """Every position of the native draws at once (a batch of all stored windows, 8 words of
+  episode index under a 4-level tree): the same windows, in the same order, as portable."""
+  spec = fr.TrajectorySpec(4, 80, 5, 1, PACKED, cross_episodes=cross)
+  nat, por = jitted(spec, True), jitted(spec, False)
+  rs = np.random.RandomState(0)
+  s = nat.init()
+  for i in range(3):
+    first = None if cross else jnp.asarray(rs.rand(4, 50) < 0.05)
+    s = nat.add(s, steps_of(PACKED, np.arange(50)[None, :] + 50 * i + np.zeros((4, 1))),
+                mask=jnp.asarray(rs.rand(4) < 0.8), first=first)
+    n = int(nat.count(s))
+    for replace in (False, True):
+      a = nat.sample(s, jax.random.PRNGKey(i), batch_size=n + 2, replace=replace)
+      b = por.sample(s, jax.random.PRNGKey(i), batch_size=n + 2, replace=replace)
+      assert_trees_equal(a, b, f"round {i} replace={replace}")
+      if not replace:
+        assert int(a[1].valid.sum()) == n > 32
+        assert len(set(np.asarray(a[1].info.slot)[:n])) == n
 
 
 @pytest.mark.parametrize("num_envs,period,length", [(3, 1, 5), (2, 4, 8), (5, 3, 4)])
@@ -211,9 +237,9 @@ def test_kernel_runs_only_when_chosen(monkeypatch):
   assert native_traj.TARGET not in _compiled(fr.make_trajectory_table(spec), spec)
   monkeypatch.setenv("FUNCREPLAY_NATIVE", "1")
   assert native_traj.TARGET in _compiled(fr.make_trajectory_table(spec), spec)
-  # The closed-form uniform draw (no episode tracking, no mask) runs natively too.
-  assert native_traj.DRAW_TARGET not in _compiled(fr.make_trajectory_table(spec, native=True),
-                                                  spec)
+  # The lean uniform draws (no mask) run natively too: the episode index, the closed form.
+  text = _compiled(fr.make_trajectory_table(spec, native=True), spec)
+  assert native_traj.INDEX_DRAW_TARGET in text and native_traj.DRAW_TARGET not in text
   cross = spec.replace(cross_episodes=True)
   assert native_traj.DRAW_TARGET in _compiled(fr.make_trajectory_table(cross, native=True),
                                               cross)

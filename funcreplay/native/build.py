@@ -41,7 +41,8 @@ _TARGETS = {"funcreplay_sample": "FuncreplaySample",
             "funcreplay_fifo_insert": "FuncreplayFifoInsert",
             "funcreplay_update_priorities": "FuncreplayUpdatePriorities",
             "funcreplay_window_gather": "FuncreplayWindowGather",
-            "funcreplay_window_draw": "FuncreplayWindowDraw"}
+            "funcreplay_window_draw": "FuncreplayWindowDraw",
+            "funcreplay_window_index_draw": "FuncreplayWindowIndexDraw"}
 
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None, "lib": None}

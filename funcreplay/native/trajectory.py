@@ -7,8 +7,9 @@ reads ``FUNCREPLAY_NATIVE`` now). On CPU every ``sample`` program (uniform or
 prioritized, with or without masks) then copies its ``B`` windows with one
 XLA FFI call (``csrc/trajectory.cc``: each window is at most two contiguous runs
 of its env's ring, one ``memcpy`` each per storage leaf) instead of XLA's
-element-wise gather of ``B * L`` rows, and the closed-form uniform draw
-(``cross_episodes=True``, no masks, threefry keys) is a second call; other
+element-wise gather of ``B * L`` rows, and the lean uniform draws (closed form
+with ``cross_episodes=True``, the episode index otherwise; no masks, threefry
+keys) are a second call; other
 backends run the portable programs (``lax.platform_dependent``). The other
 draws, the bookkeeping and ``add`` are the portable programs, and the kernels
 follow the portable recipe, so for the same ``(state, key)`` the batch and the
@@ -29,6 +30,7 @@ from funcreplay.core.trajectory.spec import TrajectorySpec
 
 TARGET = "funcreplay_window_gather"  # the FFI targets (native.build registers them)
 DRAW_TARGET = "funcreplay_window_draw"
+INDEX_DRAW_TARGET = "funcreplay_window_index_draw"
 
 
 def supports(spec: TrajectorySpec) -> bool:
@@ -52,19 +54,30 @@ def gather_windows(spec: TrajectorySpec, data, w, valid):
   return jax.tree_util.tree_unflatten(treedef, got)
 
 
-def draw_closed_form(spec: TrajectorySpec, head, filled, rng, b: int, replace: bool):
-  """``(w int32[b], valid bool[b], n int32[])``: the uniform draw of a table without episode
-  tracking, no masks (``core.trajectory.sample._closed_form``, bit for bit; ``w`` is
-  meaningful where ``valid``); ``rng`` a threefry key (raw or typed)."""
+def _draw(target: str, rng, a, c, b: int, **attrs):
   key = jax.random.key_data(rng) if jnp.issubdtype(jnp.asarray(rng).dtype,
                                                     jax.dtypes.prng_key) else rng
   out_types = [jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.bool_),
                jax.ShapeDtypeStruct((1,), jnp.int32)]
-  call = jax.ffi.ffi_call(DRAW_TARGET, out_types, vmap_method="sequential")
-  w, valid, n = call(jnp.asarray(key).astype(jnp.uint32).reshape(-1), head, filled,
-                     time_capacity=spec.time_capacity, sequence_length=spec.sequence_length,
-                     period=spec.period, replace=bool(replace))
+  call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential")
+  w, valid, n = call(jnp.asarray(key).astype(jnp.uint32).reshape(-1), a, c, **attrs)
   return w, valid, n[0]
+
+
+def draw_closed_form(spec: TrajectorySpec, head, filled, rng, b: int, replace: bool):
+  """``(w int32[b], valid bool[b], n int32[])``: the uniform draw of a table without episode
+  tracking, no masks (``core.trajectory.sample._closed_form``, bit for bit; ``w`` is
+  meaningful where ``valid``); ``rng`` a threefry key (raw or typed)."""
+  return _draw(DRAW_TARGET, rng, head, filled, b, time_capacity=spec.time_capacity,
+               sequence_length=spec.sequence_length, period=spec.period,
+               replace=bool(replace))
+
+
+def draw_index(spec: TrajectorySpec, ok_bits, ok_tree, rng, b: int, replace: bool):
+  """The same for a table that tracks episodes: the ``x``-th set bit of the episode index
+  (``core.trajectory.sample._index_draw``, bit for bit)."""
+  return _draw(INDEX_DRAW_TARGET, rng, ok_bits, ok_tree, b, num_windows=spec.num_windows,
+               replace=bool(replace))
 
 
 class NativeTrajectoryExecutor:
@@ -82,6 +95,9 @@ class NativeTrajectoryExecutor:
 
   def draw_closed_form(self, spec: TrajectorySpec, head, filled, rng, b: int, replace: bool):
     return draw_closed_form(spec, head, filled, rng, b, replace)
+
+  def draw_index(self, spec: TrajectorySpec, ok_bits, ok_tree, rng, b: int, replace: bool):
+    return draw_index(spec, ok_bits, ok_tree, rng, b, replace)
 
   def __repr__(self) -> str:
     return "NATIVE_TRAJECTORY"

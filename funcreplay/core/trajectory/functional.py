@@ -23,8 +23,10 @@ class TrajectoryExecutor(Protocol):
   returns (the storage leaves' ``[B, L, ...]`` rows, zero where not ``valid``),
   bit for bit; ``draw_closed_form(spec, head, filled, rng, b, replace)`` returns
   ``(w, valid, n)`` as ``sample._closed_form`` (the uniform draw without episode
-  tracking or masks; a threefry ``rng``), ``w`` where ``valid``. The sample calls
-  both under ``lax.platform_dependent`` (CPU only).
+  tracking or masks; a threefry ``rng``), ``w`` where ``valid``, and
+  ``draw_index(spec, ok_bits, ok_tree, rng, b, replace)`` the same for the episode
+  index's draw (``sample._index_draw``). The sample calls them under
+  ``lax.platform_dependent`` (CPU only).
   """
 
   def available(self) -> bool: ...
@@ -36,13 +38,17 @@ class TrajectoryExecutor(Protocol):
   def draw_closed_form(self, spec: TrajectorySpec, head, filled, rng, b: int,
                        replace: bool) -> Any: ...
 
+  def draw_index(self, spec: TrajectorySpec, ok_bits, ok_tree, rng, b: int,
+                 replace: bool) -> Any: ...
+
 
 def check_executor(executor) -> Optional[TrajectoryExecutor]:
   """``executor`` if it is None or has the ``TrajectoryExecutor`` methods; a ``TypeError``
   naming what it lacks otherwise (a bare ``True`` is the usual mistake)."""
   if executor is None:
     return None
-  missing = [m for m in ("available", "supports", "gather_windows", "draw_closed_form")
+  missing = [m for m in ("available", "supports", "gather_windows", "draw_closed_form",
+                         "draw_index")
              if not callable(getattr(executor, m, None))]
   if missing:
     raise TypeError(f"make_trajectory_table: executor must be None or a trajectory executor "

@@ -95,6 +95,14 @@ def _closed_form(spec, state, rng, b, replace):
   return w, valid, n
 
 
+def _index_draw(spec, state, rng, b, replace):
+  n = index.count(state.ok_tree)
+  x, valid = positions(rng, n, b, replace, spec.num_windows)
+  w = jnp.minimum(index.kth(state.ok_bits, state.ok_tree, jnp.where(valid, x, 0)),
+                  spec.num_windows - 1)
+  return w, valid, n
+
+
 def _uniform_masked(spec, state, rng, b, replace, ok):
   tree = trees.build_sum(_padded(ok.astype(jnp.int32), spec.tree_size))
   n = tree[1]
@@ -135,8 +143,8 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
     where: bool[N] window mask (window ``w = env * W + start // period``), or None.
     replace: draw with replacement.
     executor: None, or a ``functional.TrajectoryExecutor``: on CPU its kernels copy the
-      windows and run the closed-form uniform draw (threefry keys), bit for bit this
-      program's (same batch, same state).
+      windows and run the lean uniform draws (closed form, episode index; threefry
+      keys), bit for bit this program's (same batch, same state).
 
   Returns ``Sample`` with ``data`` leaves ``[B, L, ...]`` (zero where not
   ``valid``), ``valid`` bool[B], ``info`` (``SampleInfo``: ``slot`` = window id,
@@ -156,11 +164,13 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
   elif masked(spec, version=version, where=where):
     ok = eligible(spec, state, version=version, where=where)
     w, valid, n = _uniform_masked(spec, state, rng, b, replace, ok)
+  elif spec.tracks_episodes and executor is not None and executor.supports(spec) \
+      and exact.is_threefry(rng) and executor.available():
+    w, valid, n = lax.platform_dependent(
+        state, default=lambda s: _index_draw(spec, s, rng, b, replace),
+        cpu=lambda s: executor.draw_index(spec, s.ok_bits, s.ok_tree, rng, b, replace))
   elif spec.tracks_episodes:
-    n = index.count(state.ok_tree)
-    x, valid = positions(rng, n, b, replace, spec.num_windows)
-    w = jnp.minimum(index.kth(state.ok_bits, state.ok_tree, jnp.where(valid, x, 0)),
-                    spec.num_windows - 1)
+    w, valid, n = _index_draw(spec, state, rng, b, replace)
   elif executor is not None and executor.supports(spec) and exact.is_threefry(rng) \
       and executor.available():
     w, valid, n = lax.platform_dependent(

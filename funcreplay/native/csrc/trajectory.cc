@@ -166,6 +166,69 @@ ffi::Error WindowGatherImpl(S32_1 w, Bool1 valid, ffi::RemainingArgs data,
   return ffi::Error::Success();
 }
 
+// The lean uniform draw of a table that tracks episodes
+// (funcreplay/core/trajectory/sample.py, ``index.kth``, bit for bit): positions x in
+// [0, n) on stream 0 of the key, n = ok_tree[1]; the x-th set bit of ``ok_bits``: a
+// descent of the count tree over its 32-bit words (binary here; the portable
+// ``kth_with_rank`` takes 3 levels per step, the same word and rank: the first
+// child whose running count exceeds the rank, else the last), then the rank-th set
+// bit of the word by five popcount halvings; at most N - 1.
+// Operands: key uint32[2], ok_bits uint32[words], ok_tree int32[2P].
+// Results: w int32[B] (0 where not valid), valid bool[B], n int32[1].
+ffi::Error WindowIndexDrawImpl(U32_1 key, U32_1 ok_bits, S32_1 ok_tree,
+                               ffi::Result<S32_1> w_out, ffi::Result<Bool1> valid_out,
+                               ffi::Result<S32_1> n_out, int64_t num_windows, bool replace) {
+  const int64_t b = static_cast<int64_t>(w_out->element_count());
+  const int64_t words = static_cast<int64_t>(ok_bits.element_count());
+  const int64_t p = static_cast<int64_t>(ok_tree.element_count()) / 2;
+  if (key.element_count() != 2 || words < 1 || p < words || (p & (p - 1)) != 0 ||
+      valid_out->element_count() != static_cast<size_t>(b) || n_out->element_count() != 1 ||
+      num_windows < 1) {
+    return ffi::Error::InvalidArgument(
+        "funcreplay_window_index_draw: operands do not match the call layout (key "
+        "uint32[2], ok_bits uint32[words], ok_tree int32[2P], P >= words a power of two)");
+  }
+  const uint32_t* bits = ok_bits.typed_data();
+  const int32_t* tree = ok_tree.typed_data();
+  const int64_t n = tree[1];
+  std::vector<int64_t> x(b, 0);
+  const int64_t n_valid = funcreplay::Positions(key.typed_data()[0], key.typed_data()[1], 0,
+                                                n, b, replace, b, x.data());
+  int32_t* w = w_out->typed_data();
+  bool* valid = valid_out->typed_data();
+  for (int64_t i = 0; i < b; ++i) {
+    valid[i] = i < n_valid;
+    if (!valid[i]) {
+      w[i] = 0;
+      continue;
+    }
+    int64_t k = x[i], node = 1;
+    while (node < p) {
+      const int64_t left = tree[2 * node];
+      if (k < left) {
+        node = 2 * node;
+      } else {
+        k -= left;
+        node = 2 * node + 1;
+      }
+    }
+    const int64_t word = node - p;
+    const uint32_t v = bits[std::min(word, words - 1)];
+    int64_t pos = 0;
+    for (int width = 16; width >= 1; width /= 2) {
+      const uint32_t low = (v >> pos) & ((1u << width) - 1u);
+      const int64_t c = __builtin_popcount(low);
+      if (k >= c) {
+        k -= c;
+        pos += width;
+      }
+    }
+    w[i] = static_cast<int32_t>(std::min(word * 32 + pos, num_windows - 1));
+  }
+  n_out->typed_data()[0] = static_cast<int32_t>(n);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayWindowGather, WindowGatherImpl,
@@ -190,4 +253,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayWindowDraw, WindowDrawImpl,
                                   .Attr<int64_t>("time_capacity")
                                   .Attr<int64_t>("sequence_length")
                                   .Attr<int64_t>("period")
+                                  .Attr<bool>("replace"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayWindowIndexDraw, WindowIndexDrawImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<U32_1>()  // key
+                                  .Arg<U32_1>()  // ok_bits
+                                  .Arg<S32_1>()  // ok_tree
+                                  .Ret<S32_1>()  // w
+                                  .Ret<Bool1>()  // valid
+                                  .Ret<S32_1>()  // n
+                                  .Attr<int64_t>("num_windows")
                                   .Attr<bool>("replace"));
