@@ -23,7 +23,9 @@ Three programs, chosen statically:
 The positions ``x`` are ``uniform_lean.positions``: without replacement the
 first B entries of a uniformly random permutation (``bits.without_replacement``).
 Every program ends in ``finish``: one gather of ``B * L`` rows per leaf,
-``times_sampled`` and the ``samples`` counter.
+``times_sampled`` and the ``samples`` counter. With an ``executor`` (the native one,
+``funcreplay.native.trajectory``) the gather and the two lean uniform draws run as
+CPU kernels that follow this recipe bit for bit.
 """
 
 from __future__ import annotations
@@ -95,6 +97,14 @@ def _closed_form(spec, state, rng, b, replace):
   return w, valid, n
 
 
+def _kernels(spec, executor, rng=None) -> bool:
+  """True when ``executor``'s CPU kernels apply (static): it supports ``spec``, its
+  library is loaded (asked while tracing: it only reports) and, for a draw, ``rng`` is a
+  threefry key (the kernels reproduce threefry bits only)."""
+  return (executor is not None and executor.supports(spec)
+          and (rng is None or exact.is_threefry(rng)) and executor.available())
+
+
 def _index_draw(spec, state, rng, b, replace):
   n = index.count(state.ok_tree)
   x, valid = positions(rng, n, b, replace, spec.num_windows)
@@ -164,15 +174,13 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
   elif masked(spec, version=version, where=where):
     ok = eligible(spec, state, version=version, where=where)
     w, valid, n = _uniform_masked(spec, state, rng, b, replace, ok)
-  elif spec.tracks_episodes and executor is not None and executor.supports(spec) \
-      and exact.is_threefry(rng) and executor.available():
+  elif spec.tracks_episodes and _kernels(spec, executor, rng):
     w, valid, n = lax.platform_dependent(
         state, default=lambda s: _index_draw(spec, s, rng, b, replace),
         cpu=lambda s: executor.draw_index(spec, s.ok_bits, s.ok_tree, rng, b, replace))
   elif spec.tracks_episodes:
     w, valid, n = _index_draw(spec, state, rng, b, replace)
-  elif executor is not None and executor.supports(spec) and exact.is_threefry(rng) \
-      and executor.available():
+  elif _kernels(spec, executor, rng):
     w, valid, n = lax.platform_dependent(
         state, default=lambda s: _closed_form(spec, s, rng, b, replace),
         cpu=lambda s: executor.draw_closed_form(spec, s.head, s.filled, rng, b, replace))
@@ -217,7 +225,7 @@ def gather_windows(spec: TrajectorySpec, state: TrajectoryState, w, valid, execu
   where not ``valid``. ``executor`` (``functional.TrajectoryExecutor`` or None): on CPU its
   ``gather_windows`` copies the same rows (``lax.platform_dependent``; elsewhere the
   portable gather)."""
-  if executor is not None and executor.supports(spec) and executor.available():
+  if _kernels(spec, executor):
     got = lax.platform_dependent(
         state.data, w, valid, default=lambda d, w, v: gather_storage(spec, d, w, v),
         cpu=lambda d, w, v: executor.gather_windows(spec, d, w, v))
