@@ -14,13 +14,17 @@ seconds / ours (> 1: ours faster):
   episodes), the closed-form uniform draw, without replacement;
 * ``ours episodes``: ``cross_episodes=False`` with ``first=`` passed every step
   (the default: windows never cross an episode start; the index-tree draw);
+* ``... native`` (``--native``, CPU): the same tables built with ``native=True``:
+  the same draws and states, the windows copied by the C++ gather
+  (``funcreplay/native/trajectory.py``); the others are ``native=False``;
 * flashbax: ``make_trajectory_buffer`` (with replacement; it has no
   without-replacement mode, no per-env masks and no episode tracking);
 * prioritized (``--prioritized``): the same plus a priority write-back of the
   64 windows per step, ours ``Prioritized(0.6)`` without replacement against
   ``make_prioritised_trajectory_buffer`` (with replacement).
 
-Memory: state bytes / payload bytes (payload = 16 * T * 76).
+Memory: state bytes / payload bytes (payload = 16 * T * 76). Each row also gives the
+ratio of process CPU time per step (all threads; flashbax / ours).
 
   PYTHONPATH=. python experiments/bench_trajectory.py   # --hlo: operation counts too
   PYTHONPATH=. python experiments/benchmark.py --sections=trajectory
@@ -28,6 +32,7 @@ Memory: state bytes / payload bytes (payload = 16 * T * 76).
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -53,6 +58,13 @@ def _define_flags():
   flags.DEFINE_string("periods", "1,8", "comma-separated periods")
   flags.DEFINE_bool("hlo", False, "print the compiled programs' operation counts")
   flags.DEFINE_bool("prioritized", True, "also the prioritized case (add + sample + update)")
+  flags.DEFINE_bool("native", True, "also the native=True tables (CPU only)")
+
+
+def _variants(native: bool):
+  """``(name suffix, native argument)`` of the tables to measure."""
+  on = native and jax.default_backend() == "cpu"  # elsewhere native=True is the portable
+  return (("", False),) + ((" native", True),) if on else (("", False),)
 
 
 def step_example():
@@ -91,14 +103,16 @@ def _fill_ours(table, cap, episodes):
   return s
 
 
-def runners_for(period: int, cap: int, target_s: float):
+def runners_for(period: int, cap: int, target_s: float, native: bool = True):
   import flashbax as fbx
   xs = _xs()
   out, mem = {}, {}
-  for name, episodes in (("ours", False), ("ours episodes", True)):
+  for (base, episodes), (suffix, nat) in itertools.product(
+      (("ours", False), ("ours episodes", True)), _variants(native)):
+    name = base + suffix
     spec = fr.TrajectorySpec(ENVS, cap, LENGTH, period, step_example(),
                              cross_episodes=not episodes)
-    table = fr.make_trajectory_table(spec)
+    table = fr.make_trajectory_table(spec, native=nat)
 
     def fn(s, i0, xs, table=table, episodes=episodes):
       def body(c, x):
@@ -137,7 +151,7 @@ def runners_for(period: int, cap: int, target_s: float):
   return out, mem
 
 
-def prioritized_runners(period: int, cap: int, target_s: float):
+def prioritized_runners(period: int, cap: int, target_s: float, native: bool = True):
   """Add ``[16, 1]`` + sample 64 windows + priority write-back (``|reward[0]| + 0.01``) per
   scan step: ours (``Prioritized(0.6)``, ``cross_episodes=True``, without replacement)
   against flashbax's ``make_prioritised_trajectory_buffer`` (with replacement)."""
@@ -146,20 +160,21 @@ def prioritized_runners(period: int, cap: int, target_s: float):
   out = {}
   spec = fr.TrajectorySpec(ENVS, cap, LENGTH, period, step_example(),
                            sampler=fr.Prioritized(0.6), cross_episodes=True)
-  table = fr.make_trajectory_table(spec)
+  for suffix, nat in _variants(native):
+    table = fr.make_trajectory_table(spec, native=nat)
 
-  def fn(s, i0, xs):
-    def body(c, x):
-      s, acc, v = c
-      s = table.add(s, x)
-      s, smp = table.sample(s, jax.random.PRNGKey(v), batch_size=BATCH)
-      s = table.update_priorities(s, smp.info.slot, smp.info.key,
-                                  jnp.abs(smp.data["reward"][:, 0]) + 0.01)
-      return (s, acc + _use((smp.data, smp.info.probability)), v + 1), None
-    (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
-    return s, acc
-  out[f"ours prio p{period}"] = _Holder(_fill_ours(table, cap, False)).runner(
-      jax.jit(fn, donate_argnums=0), xs, target_s=target_s)
+    def fn(s, i0, xs, table=table):
+      def body(c, x):
+        s, acc, v = c
+        s = table.add(s, x)
+        s, smp = table.sample(s, jax.random.PRNGKey(v), batch_size=BATCH)
+        s = table.update_priorities(s, smp.info.slot, smp.info.key,
+                                    jnp.abs(smp.data["reward"][:, 0]) + 0.01)
+        return (s, acc + _use((smp.data, smp.info.probability)), v + 1), None
+      (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
+      return s, acc
+    out[f"ours prio{suffix} p{period}"] = _Holder(_fill_ours(table, cap, False)).runner(
+        jax.jit(fn, donate_argnums=0), xs, target_s=target_s)
   buf = fbx.make_prioritised_trajectory_buffer(
       add_batch_size=ENVS, sample_batch_size=BATCH, sample_sequence_length=LENGTH, period=period,
       min_length_time_axis=LENGTH, max_length_time_axis=cap, priority_exponent=0.6, device="cpu")
@@ -187,7 +202,8 @@ def prioritized_runners(period: int, cap: int, target_s: float):
 def hlo_counts(period: int, cap: int):
   import flashbax as fbx
   spec = fr.TrajectorySpec(ENVS, cap, LENGTH, period, step_example(), cross_episodes=True)
-  t = fr.make_trajectory_table(spec)
+  t = fr.make_trajectory_table(spec, native=False)
+  tn = fr.make_trajectory_table(spec, native=True)
   st = t.init()
   x = jax.tree_util.tree_map(jnp.asarray, steps(1))
   buf = fbx.make_trajectory_buffer(add_batch_size=ENVS, sample_batch_size=BATCH,
@@ -199,35 +215,41 @@ def hlo_counts(period: int, cap: int):
       "ours add [16,1]": hlo.counts(t.add, st, x, donate_argnums=0),
       "ours sample 64": hlo.counts(lambda s, k: t.sample(s, k, batch_size=BATCH), st, key,
                                    donate_argnums=0),
+      "ours native sample 64": hlo.counts(lambda s, k: tn.sample(s, k, batch_size=BATCH), st,
+                                          key, donate_argnums=0),
       "flashbax add [16,1]": hlo.counts(buf.add, bs, x, donate_argnums=0),
       "flashbax sample 64": hlo.counts(lambda s, k: (s, buf.sample(s, k).experience), bs, key,
                                        donate_argnums=0),
   }
 
 
-def measure(periods, cap: int, rounds: int, target_s: float, prioritized: bool = True):
-  """Rows (``benchmark.ROW_KEYS``) and the memory table."""
+def measure(periods, cap: int, rounds: int, target_s: float, prioritized: bool = True,
+            native: bool = True):
+  """Rows (``benchmark.ROW_KEYS`` plus ``cpu_ratio``: process CPU time per step, flashbax /
+  ours) and the memory table."""
   rows, mems = [], {}
   payload = ENVS * cap * 76
+  suffixes = [v[0] for v in _variants(native)]
   for p in periods:
-    runners, mem = runners_for(p, cap, target_s)
+    runners, mem = runners_for(p, cap, target_s, native)
     if prioritized:
-      runners.update(prioritized_runners(p, cap, target_s))
+      runners.update(prioritized_runners(p, cap, target_s, native))
     secs = _measure(runners, rounds)
+    cpu = {k: float(np.median(r.cpu_times)) for k, r in runners.items()}
+
+    def row(case, ours, peer, peer_name, secs=secs, cpu=cpu):
+      return dict(section="trajectory", case=case, funcreplay=STEPS / secs[ours],
+                  peer=STEPS / secs[peer], peer_name=peer_name, unit="steps/s",
+                  ratio=secs[peer] / secs[ours], cpu_ratio=cpu[peer] / cpu[ours])
     if prioritized:
-      peer, ours = secs[f"flashbax prio p{p}"], secs[f"ours prio p{p}"]
-      rows.append(dict(
-          section="trajectory", case=f"scan add+prioritized sample 64xL{LENGTH}+update p{p}",
-          funcreplay=STEPS / ours, peer=STEPS / peer, peer_name="flashbax prioritised trajectory",
-          unit="steps/s", ratio=peer / ours))
+      for sfx in suffixes:
+        rows.append(row(f"scan add+prioritized sample 64xL{LENGTH}+update p{p}"
+                        + (f" ({sfx.strip()})" if sfx else ""), f"ours prio{sfx} p{p}",
+                        f"flashbax prio p{p}", "flashbax prioritised trajectory"))
     mems[p] = {k: v / payload for k, v in mem.items()}
-    peer = secs[f"flashbax p{p}"]
-    for name in ("ours", "ours episodes"):
-      ours = secs[f"{name} p{p}"]
-      rows.append(dict(
-          section="trajectory", case=f"scan add[16,1]+sample 64xL{LENGTH} p{p} ({name})",
-          funcreplay=STEPS / ours, peer=STEPS / peer, peer_name="flashbax trajectory",
-          unit="steps/s", ratio=peer / ours))
+    for name in [b + sfx for b in ("ours", "ours episodes") for sfx in suffixes]:
+      rows.append(row(f"scan add[16,1]+sample 64xL{LENGTH} p{p} ({name})", f"{name} p{p}",
+                      f"flashbax p{p}", "flashbax trajectory"))
   return rows, mems
 
 
@@ -247,10 +269,11 @@ def main(_):
     for p in periods:
       for k, v in hlo_counts(p, F.capacity).items():
         print(f"p{p} {k:<22} {v}")
-  rows, mems = measure(periods, F.capacity, F.rounds, F.target_s, F.prioritized)
-  print(f"{'case':<52} {'ours steps/s':>13} {'flashbax':>11} {'ratio':>7}")
+  rows, mems = measure(periods, F.capacity, F.rounds, F.target_s, F.prioritized, F.native)
+  print(f"{'case':<62} {'ours steps/s':>13} {'flashbax':>11} {'ratio':>7} {'cpu ratio':>9}")
   for r in rows:
-    print(f"{r['case']:<52} {r['funcreplay']:>13.0f} {r['peer']:>11.0f} {r['ratio']:>7.2f}")
+    print(f"{r['case']:<62} {r['funcreplay']:>13.0f} {r['peer']:>11.0f} {r['ratio']:>7.2f} "
+          f"{r['cpu_ratio']:>9.2f}")
   for p, m in mems.items():
     print(f"p{p} state bytes / payload bytes: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items()))
   print(f"load after: {os.getloadavg()}")

@@ -41,7 +41,6 @@ from funcreplay.core.trajectory import (
   TrajectorySpec,
   TrajectoryState,
   TrajectoryTable,
-  make_trajectory_table,
   n_step_returns,
   n_step_target,
 )
@@ -50,6 +49,7 @@ from funcreplay.core.version import VERSION as __version__  # noqa: F401 (public
 # Public name -> (module, attribute; None: the module itself), imported on first use.
 _LAZY = {
     "make_table": ("funcreplay.native.functional", "make_table"),
+    "make_trajectory_table": ("funcreplay.native.trajectory", "make_trajectory_table"),
     "native": ("funcreplay.native", None),
     "Table": ("funcreplay.host.table", "Table"),
     "TableClosedError": ("funcreplay.host.table", "TableClosedError"),

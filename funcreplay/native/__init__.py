@@ -9,7 +9,9 @@ same work in one call. It is used only where it applies and only on CPU:
 * ``sample`` with a ``Uniform`` or ``Prioritized`` sampler and a ``Fifo`` or
   ``Uniform`` remover, with or without replacement, staleness / ``where``
   masks and ``max_times_sampled`` (not ``stratified``);
-* ``update_priorities`` with a ``Fifo`` or ``Uniform`` remover.
+* ``update_priorities`` with a ``Fifo`` or ``Uniform`` remover;
+* a trajectory table's ``sample``: the window gather (``native.trajectory``,
+  ``fr.make_trajectory_table(spec, native=...)``).
 
 A host ``Table`` on CPU can also run the sample kernel directly on its own
 buffers, without a jitted call (``Table.sample_packed(out=...)``;

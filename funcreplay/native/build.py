@@ -1,9 +1,11 @@
 """Compile the native kernels once per (sources, jaxlib) and register their FFI targets.
 
-One shared library holds ``kernels.cc`` (the XLA FFI handlers) and
-``direct.cc`` (the direct host entry points, ``funcreplay.host.direct``),
-which share the headers of ``csrc/`` (``sample_core.h``, ``insert_core.h`` and
-``priorities_core.h``: the kernels' bodies). It is built on first use with
+One shared library holds ``kernels.cc`` (the XLA FFI handlers),
+``direct.cc`` (the direct host entry points, ``funcreplay.host.direct``) and
+``trajectory.cc`` (the trajectory tables' window gather and draws,
+``native.trajectory``), which share the headers of ``csrc/`` (``sample_core.h``,
+``insert_core.h`` and ``priorities_core.h``: the kernels' bodies). It is built on first
+use with
 the system C++ compiler (``$CXX``, else ``c++``/``g++``) against the XLA FFI
 headers that ship with jaxlib (``jax.ffi.include_dir()``), and cached in
 ``$FUNCREPLAY_CACHE_DIR`` (default ``~/.cache/funcreplay``) under a name that
@@ -32,13 +34,16 @@ import jaxlib
 
 # The C++ sources live beside this module in csrc/ (shipped as package data).
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_UNITS = [os.path.join(_HERE, name) for name in ("kernels.cc", "direct.cc")]
+_UNITS = [os.path.join(_HERE, name) for name in ("kernels.cc", "direct.cc", "trajectory.cc")]
 # Every header in csrc/ is hashed into the library's name, so a changed or new header
 # rebuilds (a list kept by hand could miss one and load a stale library).
 _HEADERS = sorted(os.path.join(_HERE, name) for name in os.listdir(_HERE) if name.endswith(".h"))
 _TARGETS = {"funcreplay_sample": "FuncreplaySample",
             "funcreplay_fifo_insert": "FuncreplayFifoInsert",
-            "funcreplay_update_priorities": "FuncreplayUpdatePriorities"}
+            "funcreplay_update_priorities": "FuncreplayUpdatePriorities",
+            "funcreplay_window_gather": "FuncreplayWindowGather",
+            "funcreplay_window_draw": "FuncreplayWindowDraw",
+            "funcreplay_window_index_draw": "FuncreplayWindowIndexDraw"}
 
 _lock = threading.Lock()
 _state: dict = {"loaded": None, "error": None, "lib": None}

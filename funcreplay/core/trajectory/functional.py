@@ -3,13 +3,58 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 from funcreplay.core.trajectory import add as add_lib
 from funcreplay.core.trajectory import priorities
 from funcreplay.core.trajectory import sample as sample_lib
 from funcreplay.core.trajectory import state as st
 from funcreplay.core.trajectory.spec import TrajectorySpec
+
+
+class TrajectoryExecutor(Protocol):
+  """A backend with a kernel for the window gather of ``sample``
+  (``funcreplay.native.trajectory.NativeTrajectoryExecutor``).
+
+  The core never imports ``funcreplay.native``: ``fr.make_trajectory_table``
+  (``funcreplay.native.trajectory``) passes its executor here. ``supports(spec)``
+  is static; ``available()`` is asked while tracing and must only report.
+  ``gather_windows(spec, data, w, valid)`` returns what ``sample.gather_storage``
+  returns (the storage leaves' ``[B, L, ...]`` rows, zero where not ``valid``),
+  bit for bit; ``draw_closed_form(spec, head, filled, rng, b, replace)`` returns
+  ``(w, valid, n)`` as ``sample._closed_form`` (the uniform draw without episode
+  tracking or masks; a threefry ``rng``), ``w`` where ``valid``, and
+  ``draw_index(spec, ok_bits, ok_tree, rng, b, replace)`` the same for the episode
+  index's draw (``sample._index_draw``). The sample calls them under
+  ``lax.platform_dependent`` (CPU only).
+  """
+
+  def available(self) -> bool: ...
+
+  def supports(self, spec: TrajectorySpec) -> bool: ...
+
+  def gather_windows(self, spec: TrajectorySpec, data, w, valid) -> Any: ...
+
+  def draw_closed_form(self, spec: TrajectorySpec, head, filled, rng, b: int,
+                       replace: bool) -> Any: ...
+
+  def draw_index(self, spec: TrajectorySpec, ok_bits, ok_tree, rng, b: int,
+                 replace: bool) -> Any: ...
+
+
+def check_executor(executor) -> Optional[TrajectoryExecutor]:
+  """``executor`` if it is None or has the ``TrajectoryExecutor`` methods; a ``TypeError``
+  naming what it lacks otherwise (a bare ``True`` is the usual mistake)."""
+  if executor is None:
+    return None
+  missing = [m for m in ("available", "supports", "gather_windows", "draw_closed_form",
+                         "draw_index")
+             if not callable(getattr(executor, m, None))]
+  if missing:
+    raise TypeError(f"make_trajectory_table: executor must be None or a trajectory executor "
+                    f"(funcreplay.native.trajectory.NATIVE; fr.make_trajectory_table(spec, "
+                    f"native=True) picks it), got {executor!r} (lacks {missing}).")
+  return executor
 
 
 class TrajectoryTable(NamedTuple):
@@ -33,8 +78,13 @@ class TrajectoryTable(NamedTuple):
   count: Callable
 
 
-def make_trajectory_table(spec: TrajectorySpec) -> TrajectoryTable:
+def make_trajectory_table(spec: TrajectorySpec, *,
+                          executor: Optional[TrajectoryExecutor] = None) -> TrajectoryTable:
   """Build the pure functions of the trajectory table ``spec`` describes.
+
+  ``executor``: None (the portable program everywhere) or a ``TrajectoryExecutor``
+  whose CPU kernel copies the sampled windows (same batch, same state).
+  ``fr.make_trajectory_table(spec, native=...)`` chooses it.
 
   Example::
 
@@ -48,6 +98,7 @@ def make_trajectory_table(spec: TrajectorySpec) -> TrajectoryTable:
   if not isinstance(spec, TrajectorySpec):
     raise TypeError(f"make_trajectory_table expects a TrajectorySpec, got "
                     f"{type(spec).__name__}.")
+  executor = check_executor(executor)
 
   def sample(state, rng, *, batch_size: int, version=None, where=None, replace: bool = False):
     if spec.max_staleness is not None and version is None:
@@ -55,7 +106,7 @@ def make_trajectory_table(spec: TrajectorySpec) -> TrajectoryTable:
                        "version= (the current policy version); without it stale windows "
                        "would be sampled.")
     return sample_lib.sample(spec, state, rng, batch_size=batch_size, version=version,
-                             where=where, replace=replace)
+                             where=where, replace=replace, executor=executor)
 
   def eligible(state, *, version=None, where=None):
     """bool[N]: windows a ``sample`` with these arguments may return."""

@@ -23,7 +23,9 @@ Three programs, chosen statically:
 The positions ``x`` are ``uniform_lean.positions``: without replacement the
 first B entries of a uniformly random permutation (``bits.without_replacement``).
 Every program ends in ``finish``: one gather of ``B * L`` rows per leaf,
-``times_sampled`` and the ``samples`` counter.
+``times_sampled`` and the ``samples`` counter. With an ``executor`` (the native one,
+``funcreplay.native.trajectory``) the gather and the two lean uniform draws run as
+CPU kernels that follow this recipe bit for bit.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from jax import lax
 from funcreplay.core import bits, inplace, numerics, staleness, trees
 from funcreplay.core import counters as ctr
 from funcreplay.core.inplace import materialize
+from funcreplay.core.sampling import exact
 from funcreplay.core.sampling.uniform_lean import kth_occupied, positions
 from funcreplay.core.state import Sample, SampleInfo
 from funcreplay.core.trajectory import index, prioritized, rows
@@ -94,6 +97,22 @@ def _closed_form(spec, state, rng, b, replace):
   return w, valid, n
 
 
+def _kernels(spec, executor, rng=None) -> bool:
+  """True when ``executor``'s CPU kernels apply (static): it supports ``spec``, its
+  library is loaded (asked while tracing: it only reports) and, for a draw, ``rng`` is a
+  threefry key (the kernels reproduce threefry bits only)."""
+  return (executor is not None and executor.supports(spec)
+          and (rng is None or exact.is_threefry(rng)) and executor.available())
+
+
+def _index_draw(spec, state, rng, b, replace):
+  n = index.count(state.ok_tree)
+  x, valid = positions(rng, n, b, replace, spec.num_windows)
+  w = jnp.minimum(index.kth(state.ok_bits, state.ok_tree, jnp.where(valid, x, 0)),
+                  spec.num_windows - 1)
+  return w, valid, n
+
+
 def _uniform_masked(spec, state, rng, b, replace, ok):
   tree = trees.build_sum(_padded(ok.astype(jnp.int32), spec.tree_size))
   n = tree[1]
@@ -124,7 +143,7 @@ def _prioritized(spec, state, rng, b, replace, ok):
 
 
 def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int, version=None,
-           where=None, replace: bool = False):
+           where=None, replace: bool = False, executor=None):
   """``(state, Sample)``: ``batch_size`` windows (distinct unless ``replace``).
 
   Args:
@@ -133,6 +152,9 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
     version: int32[] current policy version (staleness mask with ``max_staleness``).
     where: bool[N] window mask (window ``w = env * W + start // period``), or None.
     replace: draw with replacement.
+    executor: None, or a ``functional.TrajectoryExecutor``: on CPU its kernels copy the
+      windows and run the lean uniform draws (closed form, episode index; threefry
+      keys), bit for bit this program's (same batch, same state).
 
   Returns ``Sample`` with ``data`` leaves ``[B, L, ...]`` (zero where not
   ``valid``), ``valid`` bool[B], ``info`` (``SampleInfo``: ``slot`` = window id,
@@ -152,11 +174,16 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
   elif masked(spec, version=version, where=where):
     ok = eligible(spec, state, version=version, where=where)
     w, valid, n = _uniform_masked(spec, state, rng, b, replace, ok)
+  elif spec.tracks_episodes and _kernels(spec, executor, rng):
+    w, valid, n = lax.platform_dependent(
+        state, default=lambda s: _index_draw(spec, s, rng, b, replace),
+        cpu=lambda s: executor.draw_index(spec, s.ok_bits, s.ok_tree, rng, b, replace))
   elif spec.tracks_episodes:
-    n = index.count(state.ok_tree)
-    x, valid = positions(rng, n, b, replace, spec.num_windows)
-    w = jnp.minimum(index.kth(state.ok_bits, state.ok_tree, jnp.where(valid, x, 0)),
-                    spec.num_windows - 1)
+    w, valid, n = _index_draw(spec, state, rng, b, replace)
+  elif _kernels(spec, executor, rng):
+    w, valid, n = lax.platform_dependent(
+        state, default=lambda s: _closed_form(spec, s, rng, b, replace),
+        cpu=lambda s: executor.draw_closed_form(spec, s.head, s.filled, rng, b, replace))
   else:
     w, valid, n = _closed_form(spec, state, rng, b, replace)
   if prob is None:
@@ -164,7 +191,8 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
   # Materialized: XLA:CPU would otherwise fuse the whole draw (random words, prefix sums,
   # descents) into the data gather and recompute it for every gathered element
   # (``inplace.materialize``; 1.3x the step time of the closed form here).
-  state, out = finish(spec, state, materialize(jnp.where(valid, w, 0)), valid, prob, n)
+  state, out = finish(spec, state, materialize(jnp.where(valid, w, 0)), valid, prob, n,
+                      executor)
   if spec.prioritized:
     # ``info.slot`` computed from every read of ``priority`` and the weight tree (through
     # the probabilities): a following ``update_priorities(info.slot, ...)`` in the same
@@ -176,10 +204,11 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
   return state, out
 
 
-def gather_windows(spec: TrajectorySpec, state: TrajectoryState, w, valid):
-  """Every data leaf's ``[B, L, ...]`` steps of windows ``w`` (int32[B], in range), zero
-  where not ``valid``: one gather of ``B * L`` rows per storage leaf (``rows``)."""
-  env, start, _ = st.distance(spec, state, w)
+def gather_storage(spec: TrajectorySpec, data, w, valid):
+  """The storage leaves' (``state.data``) ``[B, L, ...]`` rows of windows ``w`` (int32[B],
+  in range), zero where not ``valid``: one gather of ``B * L`` rows per storage leaf."""
+  env = w // spec.windows_per_env
+  start = (w % spec.windows_per_env) * spec.period
   cap, ln = spec.time_capacity, spec.sequence_length
   flat = env[:, None] * cap + (start[:, None] + jnp.arange(ln, dtype=jnp.int32)[None, :]) % cap
   flat = materialize(flat.reshape(-1)).reshape(flat.shape)  # computed once, not per element
@@ -188,12 +217,26 @@ def gather_windows(spec: TrajectorySpec, state: TrajectoryState, w, valid):
     got = x.reshape((-1,) + x.shape[2:])[flat]
     v = valid.reshape((-1,) + (1,) * (got.ndim - 1))
     return jnp.where(v, got, jnp.zeros((), x.dtype))
-  return rows.unpack(spec, jax.tree_util.tree_map(take, state.data), 2)
+  return jax.tree_util.tree_map(take, data)
 
 
-def finish(spec: TrajectorySpec, state: TrajectoryState, w, valid, prob, n):
+def gather_windows(spec: TrajectorySpec, state: TrajectoryState, w, valid, executor=None):
+  """Every data leaf's ``[B, L, ...]`` steps of windows ``w`` (int32[B], in range), zero
+  where not ``valid``. ``executor`` (``functional.TrajectoryExecutor`` or None): on CPU its
+  ``gather_windows`` copies the same rows (``lax.platform_dependent``; elsewhere the
+  portable gather)."""
+  if _kernels(spec, executor):
+    got = lax.platform_dependent(
+        state.data, w, valid, default=lambda d, w, v: gather_storage(spec, d, w, v),
+        cpu=lambda d, w, v: executor.gather_windows(spec, d, w, v))
+  else:
+    got = gather_storage(spec, state.data, w, valid)
+  return rows.unpack(spec, got, 2)
+
+
+def finish(spec: TrajectorySpec, state: TrajectoryState, w, valid, prob, n, executor=None):
   """Gather, count and describe the windows ``w`` (int32[B] in range): ``(state, Sample)``."""
-  data = gather_windows(spec, state, w, valid)
+  data = gather_windows(spec, state, w, valid, executor)
   times = state.times_sampled.at[jnp.where(valid, w, spec.num_windows)].add(1, mode="drop")
   n_valid = jnp.sum(valid, dtype=jnp.int32)
   counters = state.counters.at[1].set(ctr.add(state.counters[1], n_valid))
