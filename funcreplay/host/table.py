@@ -17,12 +17,11 @@ that in-process, without a server:
   bad call raises ``ValueError`` / ``TypeError`` and leaves the table exactly
   as it was.
 
-This module holds construction, ``insert`` and the checkpoint / ingestion
-entry points; the rest of ``Table`` comes from its mixins: ``guard`` (the
-lock, waits, ``close``), ``table_sampling`` (``sample``, ``sample_packed``,
-the in-place sampler strategy of ``direct``) and ``table_updates`` (keyed
-updates, removals, queries). ``programs`` holds the jitted programs shared
-per spec, ``validation`` the input checks shared with the ``Ingestor``.
+This module holds construction, ``insert`` and the checkpoint / ingestion entry points;
+the rest of ``Table`` comes from its mixins: ``guard`` (the lock, waits, ``close``),
+``table_sampling`` (``sample``, ``sample_packed``, the in-place sampler of ``direct``) and
+``table_updates`` (keyed updates, removals, queries). ``programs`` holds the jitted
+programs shared per spec, ``validation`` the input checks shared with the ``Ingestor``.
 """
 
 from __future__ import annotations
@@ -79,9 +78,8 @@ class VersionAheadWarning(UserWarning):
   error with ``"error"``.
   """
 
-# Checkpoint I/O lives in the layer above (funcreplay.checkpoint): it registers
-# its save_table / restore_table / read_into here when imported, so the host
-# never imports it (``fr.Table`` imports funcreplay.checkpoint first).
+# Checkpoint I/O lives in the layer above: funcreplay.checkpoint registers its save / restore
+# / read_into here when imported (``fr.Table`` imports it first); the host never imports it.
 CHECKPOINT_IO: Dict[str, Callable[..., Any]] = {}
 
 
