@@ -114,6 +114,23 @@ def unpack(signature: sig_lib.Signature, rows: bool, data: Any, nlead: int):
   return jax.tree_util.tree_unflatten(signature.treedef, out)
 
 
+def check(spec, data, what: str) -> None:
+  """Raise ``ValueError`` naming the storage when ``data`` (``state.data``, one slot axis)
+  is not laid out as ``spec.storage`` says (static: shapes only). A state built under
+  another storage is the likely cause, e.g. one made before storage was picked."""
+  want = jax.eval_shape(lambda: empty(spec.signature, spec.packed_rows,
+                                      (np.shape(jax.tree_util.tree_leaves(data)[0])[0],)))
+  if jax.tree_util.tree_structure(want) != jax.tree_util.tree_structure(data) or any(
+      tuple(w.shape) != tuple(np.shape(g)) or np.dtype(w.dtype) != np.dtype(g.dtype)
+      for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(data))):
+    layout = (f"one uint32[C, {width(spec.signature)}] array of packed rows" if spec.packed_rows
+              else "the item pytree with a [C] axis")
+    raise ValueError(f"{what}: state.data does not match spec.storage={spec.storage!r} "
+                     f"({layout}). A state made under the other storage needs a spec with "
+                     f"TableSpec(..., storage={'columns' if spec.packed_rows else 'rows'!r}), "
+                     "or a checkpoint round trip (checkpoints restore into either storage).")
+
+
 def stored_items(spec, state):
   """The items ``state`` holds, as the signature's pytree with every leaf ``[C, ...]``
   (every slot, occupied or not: ``state.occupied`` says which are items), whatever

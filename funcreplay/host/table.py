@@ -39,6 +39,7 @@ import numpy as np
 
 from funcreplay.core import selectors as sel
 from funcreplay.core import state as state_lib
+from funcreplay.core import storage
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 from funcreplay.host import consistency
@@ -69,11 +70,10 @@ __all__ = ["Table", "TableClosedError", "VersionAheadWarning", "check_metadata_c
 class VersionAheadWarning(UserWarning):
   """Items were inserted with a version ahead of the table's (``Table.insert``).
 
-  Kept, not refused: an actor may receive policy ``v + 1`` before the learner
-  calls ``table.set_version(v + 1)``. Such items count as fresh (staleness
-  ``table version - item version`` < 0 is within any ``max_staleness``)
-  until the table's version passes theirs; a persistent gap usually means
-  ``set_version`` is never called. Warned once per table; filter it with
+  Kept, not refused: an actor may receive policy ``v + 1`` before the learner calls
+  ``table.set_version(v + 1)``. Such items count as fresh (staleness < 0 is within any
+  ``max_staleness``) until the table's version passes theirs; a persistent gap usually
+  means ``set_version`` is never called. Warned once per table; filter it with
   ``warnings.simplefilter("ignore", fr.VersionAheadWarning)``, or make it an
   error with ``"error"``.
   """
@@ -119,8 +119,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
   give the same samples, with the native kernels or without (``native``: True / False,
   or None: ``FUNCREPLAY_NATIVE`` when the programs are built; they agree bit for bit).
 
-  Checkpoints: ``save(path)`` holds the lock only to copy the state (``snapshot()``),
-  then writes without it. ``load(path)`` restores a checkpoint into this table.
+  Checkpoints: ``save(path)`` copies the state under the lock, writes without it; ``load``.
 
   Ragged leaves, payloads (``payloads=True``), ``take_batch`` / ``is_ready`` / ``peek``:
   ``funcreplay.host.rollout`` (README "Rollout groups for LLM RL").
@@ -196,6 +195,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
     want_leaves, want_def = jax.tree_util.tree_flatten_with_path(want)
     got_leaves, got_def = jax.tree_util.tree_flatten_with_path(state)
     if want_def != got_def:
+      storage.check(spec, state.data, "Table.from_state")  # names the storage if that is it
       raise ValueError(f"Table.from_state: the state's structure does not match the spec.\n"
                        f"  expected: {want_def}\n  got:      {got_def}")
     for (path, w), (_, g) in zip(want_leaves, got_leaves, strict=True):

@@ -183,3 +183,16 @@ def test_insert_items_of_the_wrong_shape_are_refused_before_packing():
   bad["b"] = bad["b"][:, :2]
   with pytest.raises((ValueError, TypeError), match=r"\['b'\]"):
     t.insert(t.init(), bad)
+
+
+def test_a_state_of_the_other_storage_is_refused_naming_it():
+  rows, cols = fr.TableSpec(8, WIDE), fr.TableSpec(8, WIDE, storage="columns")
+  col_state = fr.make_table(cols, native=False).init()
+  items = jax.tree_util.tree_map(jnp.asarray, _wide_items(np.arange(2)))
+  t = fr.make_table(rows, native=False)
+  with pytest.raises(ValueError, match=r"insert: state.data does not match spec.storage='rows'"):
+    t.insert(col_state, items)
+  with pytest.raises(ValueError, match=r"sample: .*storage='columns' \(the item pytree"):
+    fr.make_table(cols, native=False).sample(t.init(), jax.random.PRNGKey(0), batch_size=2)
+  with pytest.raises(ValueError, match=r"Table.from_state: .*storage='columns'"):
+    fr.Table.from_state(rows, col_state)

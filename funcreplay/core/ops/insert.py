@@ -71,6 +71,7 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     Cost O(B log C) with a donated state; O(B) data movement.
   """
   b = _batch_size(spec, items)
+  storage.check(spec, state.data, "insert")
   cap = spec.capacity
   if b > cap:
     raise ValueError(f"insert: batch of {b} items exceeds the table capacity {cap}; "

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import executor, indexes, inplace, numerics, ops, ordering, packing
+from funcreplay.core import executor, indexes, inplace, numerics, ops, ordering, packing, storage
 from funcreplay.core import selectors as sel
 from funcreplay.core.sampling import exact, prioritized_lean, uniform_lean
 from funcreplay.core.sampling.draw import Weights as _Weights
@@ -94,6 +94,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   if replace and sel.is_ordered(spec.sampler):
     raise ValueError(f"sample: replace=True is not supported by the deterministic "
                      f"{type(spec.sampler).__name__} sampler.")
+  storage.check(spec, state.data, "sample")
   masked = ops.masks_active(spec, version, where)
   if stratified and (not replace or masked or sel.is_ordered(spec.sampler)):
     raise ValueError("sample: stratified=True needs replace=True, a Uniform or Prioritized "
