@@ -122,18 +122,10 @@ def make_trajectory_table(spec: TrajectorySpec, *,
   ``native``: on CPU, copy the sampled windows with the native kernel (same
   batches and states as the portable program, fewer XLA operations). False
   keeps the portable JAX implementation; None (default): the
-  ``FUNCREPLAY_NATIVE`` environment variable, read now (unset: True).
-
-  Example::
-
-    spec = fr.TrajectorySpec(num_envs=16, time_capacity=65536, sequence_length=32,
-                             period=8, signature=step_example)
-    table = fr.make_trajectory_table(spec)
-    state = table.init()
-    state = table.add(state, steps)  # leaves [16, t, ...]
-    state, batch = table.sample(state, rng, batch_size=64)  # leaves [64, 32, ...]
+  ``FUNCREPLAY_NATIVE`` environment variable, read now (unset: True). The rest (the
+  spec check, an example) as ``funcreplay.core.trajectory.make_trajectory_table``.
   """
-  if not isinstance(spec, TrajectorySpec):
+  if not isinstance(spec, TrajectorySpec):  # before choose(): no library build for a bad spec
     raise TypeError(f"make_trajectory_table expects a TrajectorySpec, got "
                     f"{type(spec).__name__}.")
   return functional.make_trajectory_table(spec, executor=choose(native))
