@@ -407,9 +407,10 @@ def _free_port():
 
 # Multi-process tests share one xdist worker with the Ray cluster tests (Makefile: --dist
 # loadgroup): two process groups binding ports and spinning on 2 cores at once made this
-# test's coordinator miss its 240 s bound once under load.
-@pytest.mark.xdist_group("ray")
-def test_two_processes_global_sample_mixes_both():
+# test's coordinator miss its bound under load (hence one retry on a new port, below).
+def _run_pair(timeout_s):
+  """Both workers on a fresh port: their ``(rc, stdout, stderr)``, or the stderr tails if
+  they did not finish in ``timeout_s`` (killed)."""
   port = _free_port()
   env = _child_env(2)
   worker = os.path.join(HERE, "sharding_worker.py")
@@ -419,18 +420,31 @@ def test_two_processes_global_sample_mixes_both():
   outs = []
   try:
     for p in procs:
-      out, err = p.communicate(timeout=240)
+      out, err = p.communicate(timeout=timeout_s)
       outs.append((p.returncode, out, err))
   except subprocess.TimeoutExpired:
     for p in procs:
       p.kill()
-    tails = [f"worker {i}: {err[-3000:]}" for i, (_, err) in
-             enumerate(p.communicate() for p in procs)]
-    pytest.fail("the two sharding workers did not finish in 240 s:\n" + "\n".join(tails))
+    return None, [f"worker {i}: {err[-3000:]}" for i, (_, err) in
+                  enumerate(p.communicate() for p in procs)]
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
+  return outs, None
+
+
+@pytest.mark.xdist_group("ray")
+def test_two_processes_global_sample_mixes_both():
+  # Alone the pair takes ~7 s. Under CI load both workers once sat silent in
+  # jax.distributed start-up for the whole bound (the free port taken between _free_port
+  # and the coordinator's bind, most likely): one more try on a new port, then fail.
+  for _ in range(2):
+    outs, tails = _run_pair(150)
+    if outs is not None:
+      break
+  else:
+    pytest.fail("the two sharding workers did not finish in 150 s, twice:\n" + "\n".join(tails))
   for rc, out, err in outs:
     assert rc == 0, f"worker failed (rc={rc}):\n{out[-2000:]}\n{err[-4000:]}"
   res = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in outs]
