@@ -5,7 +5,8 @@ every computation of the optimized HLO text, the instructions by opcode:
 ``fusion`` (one kernel each on XLA:GPU), ``gather``, ``scatter``, ``sort``,
 ``conditional`` and ``while`` (each a device-to-host sync on XLA:GPU), plus
 ``big_copies``: ``copy`` instructions of at least ``big`` elements (a donated
-buffer XLA could not update in place).
+buffer XLA could not update in place). ``entry`` cuts out the computation run once
+per call.
 """
 
 from __future__ import annotations
@@ -43,6 +44,14 @@ def text_counts(hlo_text: str, big: int = 1 << 16) -> Dict[str, int]:
   out = {op: ops.get(op, 0) for op in OPS}
   out["big_copies"] = big_copies
   return out
+
+
+def entry(hlo_text: str) -> str:
+  """The ENTRY computation of optimized HLO text: what runs once per call. Inside a
+  ``lax.scan`` that is work XLA hoisted out of the loop (loop-invariant code motion), paid
+  on every call, and on XLA:CPU as operations it hands to its threads."""
+  m = re.search(r"^ENTRY .*?^}", hlo_text, re.S | re.M)
+  return m.group(0) if m else ""
 
 
 def counts(fn, *args, donate_argnums=(), big: int = 1 << 16, **kwargs) -> Dict[str, int]:

@@ -96,6 +96,27 @@ def pack(signature: sig_lib.Signature, rows: bool, tree: Any, nlead: int):
                           .reshape(lead + (-1,)) for x in leaves], axis=-1)
 
 
+def put_one(signature: sig_lib.Signature, rows: bool, data: Any, item: Any, start):
+  """``data`` with one item (leaves ``[1, *leaf_shape]``) written at slot ``start``: one
+  ``dynamic_update_slice`` per leaf, into its words of the row (or its column).
+
+  Packing the row first would be a ``concatenate``: one more operation for XLA:CPU, fed
+  by one more per leaf (the leaves' slices out of a ``lax.scan`` input stay separate);
+  written leaf by leaf, each slice fuses into its own in-place update."""
+  leaves = signature.treedef.flatten_up_to(item)
+  if not rows:
+    cols = signature.treedef.flatten_up_to(data)
+    return jax.tree_util.tree_unflatten(signature.treedef, [
+        lax.dynamic_update_slice_in_dim(c, jnp.asarray(x).astype(c.dtype), start, 0)
+        for c, x in zip(cols, leaves)])
+  at = 0
+  for x, leaf in zip(leaves, signature.leaves):
+    words = lax.bitcast_convert_type(jnp.asarray(x).astype(leaf.dtype), jnp.uint32)
+    data = lax.dynamic_update_slice(data, words.reshape(1, -1), (start, jnp.int32(at)))
+    at += math.prod(leaf.shape)
+  return data
+
+
 def unpack(signature: sig_lib.Signature, rows: bool, data: Any, nlead: int):
   """Storage (leading axes ``nlead``) back to the item pytree. For numpy input the leaves
   are fresh C-contiguous arrays."""

@@ -132,9 +132,13 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
                                       jnp.asarray([True, False]))
     else:
       weight_tree = trees.refresh_sum(weight_tree, slots, w)
+  if b == 1:  # leaf by leaf (storage.put_one: no concatenate)
+    data = storage.put_one(spec.signature, spec.packed_rows, state.data, items, start)
+  else:
+    data = jax.tree_util.tree_map(
+        put, state.data, storage.pack(spec.signature, spec.packed_rows, items, 1))
   state = state.replace(
-      data=jax.tree_util.tree_map(
-          put, state.data, storage.pack(spec.signature, spec.packed_rows, items, 1)),
+      data=data,
       occupied=put(state.occupied, after(jnp.ones((b,), bool), n_evicted)),
       key=put(state.key, keys),
       version=put(state.version, new_versions),
