@@ -346,6 +346,50 @@ def test_timeouts_name_their_cause():
   rt.close()
 
 
+def hold_table(table, started: str, release: str):
+  """In the actor: hold the table's lock (as a stuck call would) until ``release`` exists."""
+  with table._cond:  # noqa: SLF001 (the test plays a stuck actor)
+    open(started, "w").close()
+    deadline = time.monotonic() + WAIT_S
+    while not os.path.exists(release) and time.monotonic() < deadline:
+      time.sleep(0.01)
+
+
+def wait_for_file(path: str) -> None:
+  deadline = time.monotonic() + WAIT_S
+  while not os.path.exists(path):
+    assert time.monotonic() < deadline, f"{path} never appeared"
+    time.sleep(0.01)
+
+
+def test_saves_and_runs_on_a_stuck_actor_time_out(tmp_path):
+  """An actor that is alive but stuck (its table's lock held by a colocated call) makes
+  save, checkpoint_now and run raise TimeoutError naming the call, while the actor is still
+  stuck: no call waits for it without a bound."""
+  rt = fresh(checkpoint_dir=str(tmp_path / "ckpt"))
+  rt.insert(batch(4))
+  started, release = str(tmp_path / "started"), str(tmp_path / "release")
+  stuck = rt.run_async(hold_table, started, release)
+  wait_for_file(started)
+  calls = [("Table.save", lambda: rt.save(str(tmp_path / "s"), timeout=0.3)),
+           ("RemoteTable.checkpoint_now", lambda: rt.checkpoint_now(timeout=0.3)),
+           ("RemoteTable.run", lambda: rt.run(hold_table, started, release, timeout=0.3))]
+  # run's default bound is the handle's rpc_timeout (here 0.3 s).
+  quick = frr.RemoteTable(rt.actor, rt.name, rt.namespace, rt.info, rpc_timeout=0.3)
+  calls.append(("RemoteTable.run", lambda: quick.run(hold_table, started, release)))
+  for what, call in calls:
+    with pytest.raises(TimeoutError, match=rf"{what}: no reply from the replay actor "
+                       rf"'{rt.name}' within 0.3 s"):
+      call()
+    assert not ray.wait([stuck], timeout=0)[0], "the actor was released before the timeout"
+  open(release, "w").close()
+  ray.get(stuck, timeout=WAIT_S)
+  with pytest.raises(ValueError, match="timeout must be None"):
+    rt.save(str(tmp_path / "t"), timeout=-1.0)
+  assert os.path.basename(rt.checkpoint_now()).startswith("ckpt-")  # the default bound: fine
+  rt.close()
+
+
 # -- faults ---------------------------------------------------------------------------------
 def test_actor_kill_restarts_and_restores_the_newest_checkpoint(tmp_path):
   rt = fresh(spec(64), checkpoint_dir=str(tmp_path), checkpoint_every_s=3600.0, max_restarts=1)
