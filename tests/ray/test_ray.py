@@ -430,6 +430,20 @@ def test_saves_and_runs_on_a_stuck_actor_time_out(tmp_path):
 
 
 # -- faults ---------------------------------------------------------------------------------
+def wait_restarted(rt, pid):
+  """The restarted actor's info, once a process other than ``pid`` answers."""
+  deadline = time.monotonic() + WAIT_S
+  while True:
+    try:
+      info = rt.ping(timeout=5.0)
+      if info["pid"] != pid:
+        return info
+    except (frr.TableUnavailableError, TimeoutError):
+      pass
+    assert time.monotonic() < deadline, "the actor did not restart"
+    time.sleep(0.2)
+
+
 def test_actor_kill_restarts_and_restores_the_newest_checkpoint(tmp_path):
   rt = fresh(spec(64), checkpoint_dir=str(tmp_path), checkpoint_every_s=3600.0, max_restarts=1)
   rt.insert(batch(20))
@@ -439,16 +453,7 @@ def test_actor_kill_restarts_and_restores_the_newest_checkpoint(tmp_path):
   rt.insert(batch(7, start=20))                     # after the checkpoint: lost on a crash
   pid = rt.info["pid"]
   ray.kill(rt.actor, no_restart=False)
-  deadline = time.monotonic() + WAIT_S
-  while True:
-    try:
-      info = rt.ping(timeout=5.0)
-      if info["pid"] != pid:
-        break
-    except (frr.TableUnavailableError, TimeoutError):
-      pass
-    assert time.monotonic() < deadline, "the actor did not restart"
-    time.sleep(0.2)
+  info = wait_restarted(rt, pid)
   assert info["restarted"] and os.path.samefile(info["restored_from"], path)
   assert rt.size == 20 and rt.version == 5
   assert rt.stats()["inserts"] == 20
@@ -457,6 +462,42 @@ def test_actor_kill_restarts_and_restores_the_newest_checkpoint(tmp_path):
   rt.close()
   with pytest.raises(frr.TableUnavailableError, match="is gone"):
     rt.count()
+
+
+def test_a_crash_fails_the_writers_whose_batches_were_in_flight():
+  """README "Faults": an actor crash (restarted by Ray) fails a writer whose batch it held:
+  WriterError chained to TableUnavailableError in flush / put / close, the batch counted
+  in stats().failed; nothing hangs, and a new writer feeds the restarted actor."""
+  rt = fresh(spec(64, rate_limiter=fr.Queue(8), sampler=fr.Fifo(), remover=fr.Fifo()),
+             max_restarts=1)
+  rt.insert(batch(6))
+  w = rt.writer(batch_size=4, max_wait_s=3600.0, max_in_flight=2)
+  for i in range(4):
+    w.put(item(100 + i))                             # the 4th put ships the batch
+  deadline = time.monotonic() + WAIT_S
+  while rt.size < 8:                                 # 2 rows went in; the Queue(8) holds the
+    assert time.monotonic() < deadline               # other 2 in the actor: in flight for good
+    time.sleep(0.05)
+  assert w.stats().in_flight == 4 and w.stats().inserted == 0
+  pid = rt.info["pid"]
+  ray.kill(rt.actor, no_restart=False)               # a crash: Ray restarts it
+  with pytest.raises(frr.WriterError, match="failed .*4 items were not inserted") as e:
+    w.flush(timeout=WAIT_S)
+  assert isinstance(e.value.__cause__, frr.TableUnavailableError)
+  st = w.stats()
+  assert (st.accepted, st.inserted, st.failed, st.in_flight) == (4, 0, 4, 0)
+  with pytest.raises(frr.WriterError):
+    w.put(item(104))
+  with pytest.raises(frr.WriterError):
+    w.close()
+  assert w.stats().rejected == 1
+  assert wait_restarted(rt, pid)["restarted"]
+  assert rt.size == 0                                # no checkpoint_dir: it starts empty
+  with rt.writer(batch_size=4) as w2:                # a new writer feeds the new actor
+    for i in range(3):
+      w2.put(item(i))
+  assert w2.stats().inserted == 3 and rt.size == 3
+  rt.close()
 
 
 def test_a_killed_producer_loses_only_its_unsent_batch():
