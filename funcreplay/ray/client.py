@@ -47,7 +47,8 @@ def connect(name: str, spec: Optional[TableSpec] = None, *, namespace: Optional[
     name: the actor's name (unique in its namespace).
     spec: the ``TableSpec`` to create it with; None: attach to an existing actor
       (``LookupError`` if there is none). If the actor exists, its spec must equal
-      ``spec`` (``ValueError`` listing both otherwise).
+      ``spec`` (``ValueError`` listing both otherwise). Ragged leaves are refused (``ValueError``:
+      not served yet, see ``server.check_servable``).
     namespace: Ray namespace of the actor (None: the current job's). Processes of other
       jobs (another driver, another machine) find the actor only under a namespace they
       name too.
@@ -87,6 +88,7 @@ def connect(name: str, spec: Optional[TableSpec] = None, *, namespace: Optional[
     if not isinstance(spec, TableSpec):
       raise TypeError(f"funcreplay.ray.connect: spec must be a TableSpec, got "
                       f"{type(spec).__name__}.")
+    server.check_servable(spec, "funcreplay.ray.connect")
     opts = dict(name=name, namespace=namespace, get_if_exists=True)
     opts.update(actor_options)
     handle = server.actor_class().options(**opts).remote(

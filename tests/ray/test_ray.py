@@ -138,6 +138,12 @@ def test_connect_creates_attaches_and_refuses():
     frr.connect("shared", checkpoint_dir="/tmp/x")
   with pytest.raises(TypeError, match="spec must be a TableSpec"):
     frr.connect("other", {"obs": 1})
+  ragged = fr.TableSpec(8, {"tokens": fr.Ragged(16, np.int32), "step": ITEM["step"]})
+  with pytest.raises(ValueError, match=r"connect: the spec has ragged leaves \(\['tokens'\]\), "
+                     r"which the replay actor does not serve .*take_batch"):
+    frr.connect("ragged", ragged)
+  with pytest.raises(LookupError):                   # refused before an actor was made
+    frr.connect("ragged")
   rt.insert(batch(3))
   assert same.size == 3
   rt.close()
