@@ -30,7 +30,7 @@ Importing this package does not import Ray; ``connect`` does (``ImportError`` na
 the extra if it is missing).
 """
 
-from funcreplay.ray.calls import RPC_SLACK_S, RPC_TIMEOUT_S
+from funcreplay.ray.calls import RPC_SLACK_S, RPC_TIMEOUT_S, SAVE_TIMEOUT_S
 from funcreplay.ray.client import RemoteTable, connect
 from funcreplay.ray.errors import (
     TableUnavailableError,
@@ -45,6 +45,6 @@ from funcreplay.ray.writer import RemoteWriter
 
 __all__ = [
     "CONCURRENCY_GROUPS", "Prefetcher", "RPC_SLACK_S", "RPC_TIMEOUT_S", "RemoteTable",
-    "RemoteWriter", "TableServer", "TableUnavailableError", "WriterClosedError", "WriterError",
-    "WriterFullError", "WriterStats", "connect",
+    "RemoteWriter", "SAVE_TIMEOUT_S", "TableServer", "TableUnavailableError",
+    "WriterClosedError", "WriterError", "WriterFullError", "WriterStats", "connect",
 ]

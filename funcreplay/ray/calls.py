@@ -16,6 +16,11 @@ from funcreplay.ray.errors import TableUnavailableError
 RPC_SLACK_S = 30.0
 # Default bound on calls that never wait on the table (stats, count, set_version, ...).
 RPC_TIMEOUT_S = 60.0
+# Default bound on ``save`` / ``checkpoint_now``: the actor snapshots the table under its
+# lock and writes every slot to disk (fsync'ed), so a save takes seconds per GB -- minutes
+# for a large table on slow shared storage. Ten minutes covers that and still bounds a
+# stuck actor; pass ``timeout=`` for larger tables or slower disks.
+SAVE_TIMEOUT_S = 600.0
 # How long close() waits for Ray to report a killed actor dead: ``ray.kill`` only asks
 # the raylet, and a call sent before it acts still reaches the closed table (which
 # answers ``TableClosedError``, not ``TableUnavailableError``). Dying takes well under

@@ -2,8 +2,9 @@
 
 Every call is a Ray actor call bounded by a timeout: the table's own (``insert``
 / ``sample`` with ``timeout=``, passed to the actor, which waits on the table's
-condition as a local caller would) plus ``RPC_SLACK_S`` for the transfer, or
-``rpc_timeout`` for the calls that never wait on the table. Errors come back as
+condition as a local caller would) plus ``RPC_SLACK_S`` for the transfer,
+``SAVE_TIMEOUT_S`` for saves, or ``rpc_timeout`` for the other calls (``run``
+included; each takes ``timeout=``). Errors come back as
 the table raised them (same type, same message: ``ValueError`` naming the leaf,
 ``TimeoutError`` naming the rate limiter, ``TableClosedError``), with a note
 saying they were raised in the actor; an actor that is gone gives
@@ -23,6 +24,7 @@ from funcreplay.ray.calls import (
   KILL_WAIT_S,
   RPC_SLACK_S,
   RPC_TIMEOUT_S,
+  SAVE_TIMEOUT_S,
   as_sample,
   require_ray,
   wait_dead,
@@ -45,7 +47,8 @@ def connect(name: str, spec: Optional[TableSpec] = None, *, namespace: Optional[
     name: the actor's name (unique in its namespace).
     spec: the ``TableSpec`` to create it with; None: attach to an existing actor
       (``LookupError`` if there is none). If the actor exists, its spec must equal
-      ``spec`` (``ValueError`` listing both otherwise).
+      ``spec`` (``ValueError`` listing both otherwise). Ragged leaves are refused (``ValueError``:
+      not served yet, see ``server.check_servable``).
     namespace: Ray namespace of the actor (None: the current job's). Processes of other
       jobs (another driver, another machine) find the actor only under a namespace they
       name too.
@@ -85,6 +88,7 @@ def connect(name: str, spec: Optional[TableSpec] = None, *, namespace: Optional[
     if not isinstance(spec, TableSpec):
       raise TypeError(f"funcreplay.ray.connect: spec must be a TableSpec, got "
                       f"{type(spec).__name__}.")
+    server.check_servable(spec, "funcreplay.ray.connect")
     opts = dict(name=name, namespace=namespace, get_if_exists=True)
     opts.update(actor_options)
     handle = server.actor_class().options(**opts).remote(
@@ -224,13 +228,18 @@ class RemoteTable:
   def delete(self, slots, keys) -> None:
     self._call("delete", slots, keys, what="Table.delete")
 
-  def save(self, path) -> str:
-    """``Table.save(path)`` in the actor's process (``path`` on the actor's machine)."""
-    return self._call("save", path, timeout=None, what="Table.save")
+  def save(self, path, *, timeout: Optional[float] = SAVE_TIMEOUT_S) -> str:
+    """``Table.save(path)`` in the actor's process (``path`` on the actor's machine).
 
-  def checkpoint_now(self) -> str:
-    """A numbered checkpoint into the actor's ``checkpoint_dir`` now (what a restart restores)."""
-    return self._call("checkpoint_now", timeout=None, what="RemoteTable.checkpoint_now")
+    ``timeout``: seconds to wait for the reply (``SAVE_TIMEOUT_S`` by default; None:
+    forever); past it ``TimeoutError`` (the save may still finish in the actor)."""
+    return self._call("save", path, timeout=validation.check_timeout(timeout), what="Table.save")
+
+  def checkpoint_now(self, *, timeout: Optional[float] = SAVE_TIMEOUT_S) -> str:
+    """A numbered checkpoint into the actor's ``checkpoint_dir`` now (what a restart restores);
+    ``timeout`` as in ``save``."""
+    return self._call("checkpoint_now", timeout=validation.check_timeout(timeout),
+                      what="RemoteTable.checkpoint_now")
 
   def ping(self, timeout: Optional[float] = "rpc") -> dict:
     """The actor's ``info`` dict (pid, restarted, restored_from, version, size)."""
@@ -247,12 +256,16 @@ class RemoteTable:
     """An iterator keeping ``k`` samples in flight (``funcreplay.ray.Prefetcher``)."""
     return Prefetcher(self, batch_size, **kwargs)
 
-  def run(self, fn: Callable[..., Any], *args, timeout: Optional[float] = None, **kwargs):
+  def run(self, fn: Callable[..., Any], *args, timeout: Optional[float] = "rpc", **kwargs):
     """``fn(table, *args, **kwargs)`` in the actor's process, with the host ``Table``
     itself: a colocated learner samples with no copy and no object store (e.g.
-    ``funcreplay.torch.TorchSampler(table, ...)`` inside ``fn``). Returns its result."""
-    return wait_reply(self.run_async(fn, *args, **kwargs), validation.check_timeout(timeout),
-                      "RemoteTable.run", self.name)
+    ``funcreplay.torch.TorchSampler(table, ...)`` inside ``fn``). Returns its result.
+
+    ``timeout``: seconds to wait for the result (default: ``rpc_timeout``; None: forever,
+    for a long colocated training loop); past it ``TimeoutError`` (``fn`` keeps running in
+    the actor: a timeout cannot stop it)."""
+    wait = self._rpc_timeout if timeout == "rpc" else validation.check_timeout(timeout)
+    return wait_reply(self.run_async(fn, *args, **kwargs), wait, "RemoteTable.run", self.name)
 
   def run_async(self, fn: Callable[..., Any], *args, **kwargs):
     """``run`` without waiting: the Ray ``ObjectRef`` of the result."""

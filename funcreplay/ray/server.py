@@ -82,6 +82,24 @@ def remaining(deadline: Optional[float], timeout: Optional[float], what: str) ->
   return timeout if timeout is None else min(timeout, left + QUEUE_MARGIN_S)
 
 
+def check_servable(spec, what: str) -> None:
+  """Refuse a spec the replay actor cannot serve, up front (``ValueError``).
+
+  Ragged leaves (``fr.Ragged``) live in the host ``Table``'s arenas, beside the state:
+  ``sample`` ships a batch as one packed buffer of fixed-shape arrays, which cannot carry
+  them (``Table.sample_packed`` refuses such tables), and the rollout API (``take_batch``,
+  ``is_ready``, ``count_by``, ``peek``) is not served. Better said at ``connect`` than at the
+  first sample. (Payloads, ``Table(payloads=True)``, cannot be asked for through ``connect``.)
+  """
+  if spec.ragged:
+    leaves = ", ".join(spec.signature.names[i] for i, _ in spec.ragged)
+    raise ValueError(
+        f"{what}: the spec has ragged leaves ({leaves}), which the replay actor does not serve "
+        "yet: samples travel as one packed buffer of fixed-shape arrays, and take_batch / "
+        "is_ready / count_by / peek are not served. Use a host funcreplay.Table in one process "
+        "for ragged rollouts, or store them padded in a fixed-shape leaf (plus a length leaf).")
+
+
 class TableServer:
   """The body of the replay actor (see the module doc); methods mirror ``Table``'s."""
 
@@ -91,6 +109,7 @@ class TableServer:
                seed: int = 0):
     # The spec travels as its checkpoint JSON (TableSpec objects do not pickle).
     spec = spec_from_json(spec_json)
+    check_servable(spec, f"the replay actor {name!r}")
     self._name = name
     self._restored_from = None
     latest = ckpt_layout.latest(checkpoint_dir) if checkpoint_dir and \

@@ -82,9 +82,10 @@ class Producer:
     self.table = table
     self.writer = None
 
-  def produce(self, pid: int, n: int, batch_size: int = 32):
+  def produce(self, pid: int, n: int, batch_size: int = 32, start: int = 0):
+    """Put items ``start .. start + n - 1`` of producer ``pid`` (step = the item's number)."""
     with self.table.writer(batch_size=batch_size, max_wait_s=0.005, max_in_flight=2) as w:
-      for i in range(n):
+      for i in range(start, start + n):
         w.put(item(i, pid), metadata={"producer": pid})
     return dataclasses.asdict(w.stats())
 
@@ -137,6 +138,12 @@ def test_connect_creates_attaches_and_refuses():
     frr.connect("shared", checkpoint_dir="/tmp/x")
   with pytest.raises(TypeError, match="spec must be a TableSpec"):
     frr.connect("other", {"obs": 1})
+  ragged = fr.TableSpec(8, {"tokens": fr.Ragged(16, np.int32), "step": ITEM["step"]})
+  with pytest.raises(ValueError, match=r"connect: the spec has ragged leaves \(\['tokens'\]\), "
+                     r"which the replay actor does not serve .*take_batch"):
+    frr.connect("ragged", ragged)
+  with pytest.raises(LookupError):                   # refused before an actor was made
+    frr.connect("ragged")
   rt.insert(batch(3))
   assert same.size == 3
   rt.close()
@@ -259,6 +266,33 @@ def test_bad_input_gives_the_local_errors_and_leaves_the_table_intact():
 
 
 # -- producers and a learner in other processes ---------------------------------------------
+def present_items(table):
+  """In the actor: (key, producer, step, obs[0]) of every item present, in key order."""
+  from funcreplay.core import storage
+  st = table.snapshot()
+  occ = np.asarray(st.occupied)
+  items = storage.stored_items(table.spec, st)
+  key = np.asarray(st.key)[occ].astype(np.int64)
+  order = np.argsort(key)
+  return (key[order], np.asarray(st.metadata["producer"])[occ][order],
+          np.asarray(items["step"])[occ][order], np.asarray(items["obs"])[occ, 0][order])
+
+
+def check_producer_order(rt, n_prod):
+  """Per producer, the items present went in in the producer's order (keys, the insertion
+  index, increase with its step counter) and each row carries its own producer's tag."""
+  key, prod, step, obs = rt.run(present_items, timeout=WAIT_S)
+  assert len(np.unique(key)) == len(key) == rt.size
+  steps = {}
+  for p in range(n_prod):
+    mine = prod == p
+    assert (np.diff(step[mine]) > 0).all(), f"producer {p}'s items went in out of order"
+    np.testing.assert_array_equal(obs[mine], p * 10_000 + step[mine])
+    steps[p] = step[mine]
+  assert sum(map(len, steps.values())) == len(key)      # every item is some producer's
+  return steps
+
+
 def test_producers_and_learner_processes_conserve_items():
   s = spec(128, sampler=fr.Prioritized(0.6), max_times_sampled=3)
   rt = fresh(s)
@@ -278,9 +312,20 @@ def test_producers_and_learner_processes_conserve_items():
   assert st["size"] + removed(st) == st["inserts"]      # nothing lost uncounted
   assert st["evicted_capacity"] > 0                     # the ring was overwritten
   assert st["samples"] == sampled == 20 * 16
-  # Every producer's items went in in its order: the newest item of each is present.
-  last = {p: rt.count(where={"producer": p}) for p in range(n_prod)}
-  assert sum(last.values()) == st["size"]
+  check_producer_order(rt, n_prod)
+  # Whether a producer's newest item survived the learner (reuse evictions) and the other
+  # producers (the ring) depends on timing; with the learner stopped, a second round that
+  # fits the table (3 x 40 <= 128, the Fifo remover evicts the oldest keys) must be present
+  # whole: every producer's newest 40 items, its newest item included, in its order.
+  more = 40
+  stats = ray.get([p.produce.remote(i, more, 8, per) for i, p in enumerate(producers)],
+                  timeout=WAIT_S)
+  assert all(x["inserted"] == more for x in stats)
+  steps = check_producer_order(rt, n_prod)
+  for p in range(n_prod):
+    np.testing.assert_array_equal(steps[p][-more:], np.arange(per, per + more))
+  st = rt.stats()
+  assert st["inserts"] == n_prod * (per + more) == st["size"] + removed(st)
   rt.close()
 
 
@@ -346,7 +391,65 @@ def test_timeouts_name_their_cause():
   rt.close()
 
 
+def hold_table(table, started: str, release: str):
+  """In the actor: hold the table's lock (as a stuck call would) until ``release`` exists."""
+  with table._cond:  # noqa: SLF001 (the test plays a stuck actor)
+    open(started, "w").close()
+    deadline = time.monotonic() + WAIT_S
+    while not os.path.exists(release) and time.monotonic() < deadline:
+      time.sleep(0.01)
+
+
+def wait_for_file(path: str) -> None:
+  deadline = time.monotonic() + WAIT_S
+  while not os.path.exists(path):
+    assert time.monotonic() < deadline, f"{path} never appeared"
+    time.sleep(0.01)
+
+
+def test_saves_and_runs_on_a_stuck_actor_time_out(tmp_path):
+  """An actor that is alive but stuck (its table's lock held by a colocated call) makes
+  save, checkpoint_now and run raise TimeoutError naming the call, while the actor is still
+  stuck: no call waits for it without a bound."""
+  rt = fresh(checkpoint_dir=str(tmp_path / "ckpt"))
+  rt.insert(batch(4))
+  started, release = str(tmp_path / "started"), str(tmp_path / "release")
+  stuck = rt.run_async(hold_table, started, release)
+  wait_for_file(started)
+  calls = [("Table.save", lambda: rt.save(str(tmp_path / "s"), timeout=0.3)),
+           ("RemoteTable.checkpoint_now", lambda: rt.checkpoint_now(timeout=0.3)),
+           ("RemoteTable.run", lambda: rt.run(hold_table, started, release, timeout=0.3))]
+  # run's default bound is the handle's rpc_timeout (here 0.3 s).
+  quick = frr.RemoteTable(rt.actor, rt.name, rt.namespace, rt.info, rpc_timeout=0.3)
+  calls.append(("RemoteTable.run", lambda: quick.run(hold_table, started, release)))
+  for what, call in calls:
+    with pytest.raises(TimeoutError, match=rf"{what}: no reply from the replay actor "
+                       rf"'{rt.name}' within 0.3 s"):
+      call()
+    assert not ray.wait([stuck], timeout=0)[0], "the actor was released before the timeout"
+  open(release, "w").close()
+  ray.get(stuck, timeout=WAIT_S)
+  with pytest.raises(ValueError, match="timeout must be None"):
+    rt.save(str(tmp_path / "t"), timeout=-1.0)
+  assert os.path.basename(rt.checkpoint_now()).startswith("ckpt-")  # the default bound: fine
+  rt.close()
+
+
 # -- faults ---------------------------------------------------------------------------------
+def wait_restarted(rt, pid):
+  """The restarted actor's info, once a process other than ``pid`` answers."""
+  deadline = time.monotonic() + WAIT_S
+  while True:
+    try:
+      info = rt.ping(timeout=5.0)
+      if info["pid"] != pid:
+        return info
+    except (frr.TableUnavailableError, TimeoutError):
+      pass
+    assert time.monotonic() < deadline, "the actor did not restart"
+    time.sleep(0.2)
+
+
 def test_actor_kill_restarts_and_restores_the_newest_checkpoint(tmp_path):
   rt = fresh(spec(64), checkpoint_dir=str(tmp_path), checkpoint_every_s=3600.0, max_restarts=1)
   rt.insert(batch(20))
@@ -356,16 +459,7 @@ def test_actor_kill_restarts_and_restores_the_newest_checkpoint(tmp_path):
   rt.insert(batch(7, start=20))                     # after the checkpoint: lost on a crash
   pid = rt.info["pid"]
   ray.kill(rt.actor, no_restart=False)
-  deadline = time.monotonic() + WAIT_S
-  while True:
-    try:
-      info = rt.ping(timeout=5.0)
-      if info["pid"] != pid:
-        break
-    except (frr.TableUnavailableError, TimeoutError):
-      pass
-    assert time.monotonic() < deadline, "the actor did not restart"
-    time.sleep(0.2)
+  info = wait_restarted(rt, pid)
   assert info["restarted"] and os.path.samefile(info["restored_from"], path)
   assert rt.size == 20 and rt.version == 5
   assert rt.stats()["inserts"] == 20
@@ -374,6 +468,42 @@ def test_actor_kill_restarts_and_restores_the_newest_checkpoint(tmp_path):
   rt.close()
   with pytest.raises(frr.TableUnavailableError, match="is gone"):
     rt.count()
+
+
+def test_a_crash_fails_the_writers_whose_batches_were_in_flight():
+  """README "Faults": an actor crash (restarted by Ray) fails a writer whose batch it held:
+  WriterError chained to TableUnavailableError in flush / put / close, the batch counted
+  in stats().failed; nothing hangs, and a new writer feeds the restarted actor."""
+  rt = fresh(spec(64, rate_limiter=fr.Queue(8), sampler=fr.Fifo(), remover=fr.Fifo()),
+             max_restarts=1)
+  rt.insert(batch(6))
+  w = rt.writer(batch_size=4, max_wait_s=3600.0, max_in_flight=2)
+  for i in range(4):
+    w.put(item(100 + i))                             # the 4th put ships the batch
+  deadline = time.monotonic() + WAIT_S
+  while rt.size < 8:                                 # 2 rows went in; the Queue(8) holds the
+    assert time.monotonic() < deadline               # other 2 in the actor: in flight for good
+    time.sleep(0.05)
+  assert w.stats().in_flight == 4 and w.stats().inserted == 0
+  pid = rt.info["pid"]
+  ray.kill(rt.actor, no_restart=False)               # a crash: Ray restarts it
+  with pytest.raises(frr.WriterError, match="failed .*4 items were not inserted") as e:
+    w.flush(timeout=WAIT_S)
+  assert isinstance(e.value.__cause__, frr.TableUnavailableError)
+  st = w.stats()
+  assert (st.accepted, st.inserted, st.failed, st.in_flight) == (4, 0, 4, 0)
+  with pytest.raises(frr.WriterError):
+    w.put(item(104))
+  with pytest.raises(frr.WriterError):
+    w.close()
+  assert w.stats().rejected == 1
+  assert wait_restarted(rt, pid)["restarted"]
+  assert rt.size == 0                                # no checkpoint_dir: it starts empty
+  with rt.writer(batch_size=4) as w2:                # a new writer feeds the new actor
+    for i in range(3):
+      w2.put(item(i))
+  assert w2.stats().inserted == 3 and rt.size == 3
+  rt.close()
 
 
 def test_a_killed_producer_loses_only_its_unsent_batch():
