@@ -7,7 +7,8 @@ gather). Cases (K steps per jitted scan call):
 - ``insert b16 + uniform sample b256`` per step (ours: without replacement);
 - ``smp-ins``: the same in the other order, ``uniform sample b256 + insert b16`` (the
   sample's reads before the insert's in-place writes: ``uniform_lean.finish``);
-- ``insert b1`` per step;
+- ``insert b1`` per step (``insert1``: 50-step scans; ``insert1-1k``: 1000-step scans,
+  the per-step cost inside the loop without the per-call cost spread over 50 steps);
 - ``prioritized sample b256 + update_priorities`` per step (write-back of
   ``|reward| + 0.01``; ours without replacement, flashbax with).
 
@@ -52,6 +53,10 @@ from funcreplay.core.sampling import uniform_lean  # noqa: E402
 
 CAPACITY = 1 << 18
 STEPS = 50
+# ``insert1-1k``: the one-item insert in a 1000-step scan as well. A call has a fixed cost
+# (dispatch of the state's buffers, the loop's entry) that 50 steps of ~1 us do not hide;
+# 1000 steps show the per-step cost inside the loop, where a training step runs.
+LONG_STEPS = 1000
 INS, SMP = 16, 256
 
 
@@ -84,7 +89,7 @@ def _fbx_filled(buf, fill):
   return h
 
 
-def uniform_runners(tables, fbx, fill, xs16, xs1, target_s):
+def uniform_runners(tables, fbx, fill, xs16, xs1, target_s, xs1_long):
   runners = {}
 
   def scan_fn(t):
@@ -121,6 +126,8 @@ def uniform_runners(tables, fbx, fill, xs16, xs1, target_s):
                                        target_s=target_s)
     runners[f"{name} insert1"] = h.runner(jax.jit(ins_fn(t), donate_argnums=0), xs1,
                                           target_s=target_s)
+    runners[f"{name} insert1-1k"] = h.runner(jax.jit(ins_fn(t), donate_argnums=0), xs1_long,
+                                             target_s=target_s)
     runners[f"{name} smp-ins"] = h.runner(jax.jit(sample_insert_fn(t), donate_argnums=0),
                                           xs16, target_s=target_s)
   buf = fbx.make_item_buffer(max_length=CAPACITY, min_length=1, sample_batch_size=SMP,
@@ -149,6 +156,8 @@ def uniform_runners(tables, fbx, fill, xs16, xs1, target_s):
 
   runners["flashbax scan"] = h.runner(jax.jit(fscan, donate_argnums=0), xs16, target_s=target_s)
   runners["flashbax insert1"] = h.runner(jax.jit(fins, donate_argnums=0), xs1, target_s=target_s)
+  runners["flashbax insert1-1k"] = h.runner(jax.jit(fins, donate_argnums=0), xs1_long,
+                                            target_s=target_s)
   runners["flashbax smp-ins"] = h.runner(jax.jit(fsi, donate_argnums=0), xs16, target_s=target_s)
   return runners
 
@@ -242,6 +251,7 @@ def run(a):
   steps = transitions(STEPS * INS, seed=3)
   xs16 = jax.device_put({k: v.reshape((STEPS, INS) + v.shape[1:]) for k, v in steps.items()})
   xs1 = jax.device_put({k: v[:STEPS, None] for k, v in steps.items()})
+  xs1_long = jax.device_put({k: v[:, None] for k, v in transitions(LONG_STEPS, seed=4).items()})
   platform = jax.default_backend()
   from importlib.metadata import version
   print(f"capacity {CAPACITY:,}, jax {jax.__version__}, flashbax {version('flashbax')}, "
@@ -260,8 +270,8 @@ def run(a):
     if case == "uniform" and a.ring:  # what an O(1) position -> slot map would give
       tables["lean-ring"] = LeanRing(spec)
     if case == "uniform":
-      runners = uniform_runners(tables, fbx, fill, xs16, xs1, a.target_s)
-      kinds = ("scan", "smp-ins", "insert1")
+      runners = uniform_runners(tables, fbx, fill, xs16, xs1, a.target_s, xs1_long)
+      kinds = ("scan", "smp-ins", "insert1", "insert1-1k")
     else:
       runners = prioritized_runners(tables, fbx, fill, a.target_s, platform)
       kinds = ("prio",)
@@ -272,8 +282,9 @@ def run(a):
       for name in tables:
         s, c = secs[f"{name} {kind}"], cpu[f"{name} {kind}"]
         spread = np.ptp(runners[f"{name} {kind}"].times) / s
-        print(f"{case:<12} {kind:<8} {name:<9} {s / STEPS * 1e6:9.1f} us/step  flashbax "
-              f"{f / STEPS * 1e6:9.1f} us/step  ratio {f / s:5.2f}x  (spread {spread:.0%}; "
+        n = LONG_STEPS if kind.endswith("-1k") else STEPS
+        print(f"{case:<12} {kind:<10} {name:<9} {s / n * 1e6:9.2f} us/step  flashbax "
+              f"{f / n * 1e6:9.2f} us/step  ratio {f / s:5.2f}x  (spread {spread:.0%}; "
               f"process CPU time ratio {fc / c:5.2f}x)")
     del runners
 
