@@ -5,8 +5,11 @@ xtuner's learner asks ``is_ready({task: n, ...})`` and then ``take_batch({task: 
 ...})``; one ``count`` / ``sample(where=...)`` per task is one O(C) pass per task.
 Here every slot gets a group id once (``group_ids``: O(C K) compares, K the number of
 requested values, vectorized), the counts are one scatter-add, and the rows of every
-group come from one sort of all slots by ``(group, order)``: O(C log C) once per call,
-whatever K is.
+group come from two ``lax.top_k`` stages over ``[K, C]`` float32 scores (``_top_by_group``:
+O(C K) work, then a sort of the ``2 K min(B, C)`` candidates), all in one program per call.
+When the order keys are not exact in float32 (integer keys spanning >= 2**24 from their
+smallest eligible value), the rows come from one sort of all slots by ``(group, order)``
+instead (``_sorted_by_group``: O(C log C)).
 
 The order within a group is the sampler's: the deterministic selectors sort by their
 keys (``ordering.order_keys``); ``Uniform`` by random keys (a uniformly random subset,
