@@ -21,7 +21,9 @@ take; rounds interleave the peers; medians are reported, as ratios (> 1: funcrep
 one-call take is faster). Every taken field is read (token values, rewards, metadata).
 
 **Memory.** Bytes the table holds per stored token for the ragged leaf (arena buffer +
-per-slot offsets and lengths) vs padding every response to 512.
+per-slot offsets and lengths) vs padding every response to 512, for response lengths
+uniform in [16, 512] and long-tailed (lognormal, median 128, sigma 1, clipped to [16, 512]:
+most responses short, a few at the cap, as LLM outputs are).
 
   python experiments/bench_rollout.py --groups=4096 --rounds=30 --out=results/bench_rollout.json
 """
@@ -45,7 +47,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("groups", 4096, "groups in each buffer")
 flags.DEFINE_integer("rounds", 30, "timed takes per peer (median reported)")
 flags.DEFINE_integer("group_size", 8, "responses per group")
-flags.DEFINE_integer("max_len", 512, "max tokens per response (lengths uniform [16, max_len])")
+flags.DEFINE_integer("max_len", 512, "max tokens per response (lengths in [16, max_len])")
 flags.DEFINE_string("out", "", "JSON output ('' = none)")
 
 TASKS = ("math", "code", "chat", "tool")
@@ -53,16 +55,28 @@ STATUS = ("completed", "aborted", "expired")
 COUNTS = {"math": 16, "code": 8, "chat": 4, "tool": 4}
 
 
-class Source:
-  """Deterministic synthetic groups: ``next(n)`` gives n new ones (dicts)."""
+MIN_LEN = 16
+LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA = 128, 1.0  # long-tailed lengths: ~5% reach 512
 
-  def __init__(self, seed, g, max_len):
+
+class Source:
+  """Deterministic synthetic groups: ``next(n)`` gives n new ones (dicts); response lengths
+  ``"uniform"`` in [MIN_LEN, max_len] or ``"lognormal"`` (clipped to the same range)."""
+
+  def __init__(self, seed, g, max_len, lengths="uniform"):
     self.rng, self.g, self.max_len, self.t = np.random.default_rng(seed), g, max_len, 0
+    self.dist = lengths
+
+  def lengths(self):
+    if self.dist == "uniform":
+      return self.rng.integers(MIN_LEN, self.max_len + 1, self.g)
+    x = self.rng.lognormal(np.log(LOGNORMAL_MEDIAN), LOGNORMAL_SIGMA, self.g)
+    return np.clip(np.round(x), MIN_LEN, self.max_len).astype(np.int64)
 
   def next(self, n):
     out = []
     for _ in range(n):
-      lengths = self.rng.integers(16, self.max_len + 1, self.g)
+      lengths = self.lengths()
       out.append(dict(tokens=self.rng.integers(0, 32_000, lengths.sum()).astype(np.int32),
                       reward=self.rng.random(self.g).astype(np.float32),
                       task=TASKS[self.rng.integers(4)],
@@ -196,8 +210,8 @@ def bench_take(groups, rounds, g, max_len):
           for k, v in med.items()}
 
 
-def bench_memory(groups, g, max_len):
-  src = Source(1, g, max_len)
+def bench_memory(groups, g, max_len, lengths):
+  src = Source(1, g, max_len, lengths)
   t = fr.Table(spec(groups, g, max_len, fr.StalestFirst()))
   fr_insert(t, src.next(groups))
   for _ in range(3):  # churn: take and refill (holes, compactions)
@@ -219,16 +233,21 @@ def main(argv):
   del argv
   load = os.getloadavg()
   take = bench_take(FLAGS.groups, FLAGS.rounds, FLAGS.group_size, FLAGS.max_len)
-  mem = bench_memory(FLAGS.groups, FLAGS.group_size, FLAGS.max_len)
+  mem = {d: bench_memory(FLAGS.groups, FLAGS.group_size, FLAGS.max_len, d)
+         for d in ("uniform", "lognormal")}
   print(f"take {COUNTS} from {FLAGS.groups} groups (stalest first, taken groups deleted); "
         f"load {load[0]:.1f}:")
   for k, v in take.items():
     print(f"  {k:12s} {v['median_ms']:8.3f} ms   {v['ratio_vs_take_batch']:6.2f}x the one-call "
           "take's time")
-  print(f"memory per stored token (int32 tokens, lengths uniform [16, {FLAGS.max_len}], mean "
-        f"{mem['mean_length']:.0f}): ragged {mem['bytes_per_token_ragged']:.3f} B "
-        f"({mem['ratio_ragged']:.3f}x the payload), padded to {FLAGS.max_len}: "
-        f"{mem['bytes_per_token_padded']:.3f} B ({mem['ratio_padded']:.3f}x)")
+  for d, m in mem.items():
+    what = (f"uniform [{MIN_LEN}, {FLAGS.max_len}]" if d == "uniform" else
+            f"lognormal (median {LOGNORMAL_MEDIAN}, sigma {LOGNORMAL_SIGMA}) clipped to "
+            f"[{MIN_LEN}, {FLAGS.max_len}]")
+    print(f"memory per stored token (int32 tokens, lengths {what}, mean "
+          f"{m['mean_length']:.0f}): ragged {m['bytes_per_token_ragged']:.3f} B "
+          f"({m['ratio_ragged']:.3f}x the payload), padded to {FLAGS.max_len}: "
+          f"{m['bytes_per_token_padded']:.3f} B ({m['ratio_padded']:.3f}x)")
   if FLAGS.out:
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out, "w") as f:
