@@ -21,13 +21,22 @@ take; rounds interleave the peers; medians are reported, as ratios (> 1: funcrep
 one-call take is faster). Every taken field is read (token values, rewards, metadata).
 
 **Memory.** Bytes the table holds per stored token for the ragged leaf (arena buffer +
-per-slot offsets and lengths) vs padding every response to 512.
+per-slot offsets and lengths) vs padding every response to 512, for response lengths
+uniform in [16, 512] and long-tailed (lognormal, median 128, sigma 1, clipped to [16, 512]:
+most responses short, a few at the cap, as LLM outputs are).
+
+**Programs.** The grouped selection alone (``core.ops.grouped.select_by``, jitted; its
+slots, groups and counts are the program's outputs), K groups of a vocabulary column at C
+slots, B = 32 rows, through its two paths in the same run: two ``lax.top_k`` stages over
+``[K, C]`` (``TOPK_MAX_GROUPS`` raised past K) and the O(C) radix select
+(``TOPK_MAX_GROUPS = 0``); ``select_by`` itself uses the top-k stages up to K = 4.
 
   python experiments/bench_rollout.py --groups=4096 --rounds=30 --out=results/bench_rollout.json
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -45,7 +54,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("groups", 4096, "groups in each buffer")
 flags.DEFINE_integer("rounds", 30, "timed takes per peer (median reported)")
 flags.DEFINE_integer("group_size", 8, "responses per group")
-flags.DEFINE_integer("max_len", 512, "max tokens per response (lengths uniform [16, max_len])")
+flags.DEFINE_integer("max_len", 512, "max tokens per response (lengths in [16, max_len])")
+flags.DEFINE_list("program_capacities", ["4160", "65536"], "C of the program timings ([] = skip)")
+flags.DEFINE_list("program_groups", ["4", "8", "16"], "K of the program timings")
 flags.DEFINE_string("out", "", "JSON output ('' = none)")
 
 TASKS = ("math", "code", "chat", "tool")
@@ -53,16 +64,28 @@ STATUS = ("completed", "aborted", "expired")
 COUNTS = {"math": 16, "code": 8, "chat": 4, "tool": 4}
 
 
-class Source:
-  """Deterministic synthetic groups: ``next(n)`` gives n new ones (dicts)."""
+MIN_LEN = 16
+LOGNORMAL_MEDIAN, LOGNORMAL_SIGMA = 128, 1.0  # long-tailed lengths: ~5% reach 512
 
-  def __init__(self, seed, g, max_len):
+
+class Source:
+  """Deterministic synthetic groups: ``next(n)`` gives n new ones (dicts); response lengths
+  ``"uniform"`` in [MIN_LEN, max_len] or ``"lognormal"`` (clipped to the same range)."""
+
+  def __init__(self, seed, g, max_len, lengths="uniform"):
     self.rng, self.g, self.max_len, self.t = np.random.default_rng(seed), g, max_len, 0
+    self.dist = lengths
+
+  def lengths(self):
+    if self.dist == "uniform":
+      return self.rng.integers(MIN_LEN, self.max_len + 1, self.g)
+    x = self.rng.lognormal(np.log(LOGNORMAL_MEDIAN), LOGNORMAL_SIGMA, self.g)
+    return np.clip(np.round(x), MIN_LEN, self.max_len).astype(np.int64)
 
   def next(self, n):
     out = []
     for _ in range(n):
-      lengths = self.rng.integers(16, self.max_len + 1, self.g)
+      lengths = self.lengths()
       out.append(dict(tokens=self.rng.integers(0, 32_000, lengths.sum()).astype(np.int32),
                       reward=self.rng.random(self.g).astype(np.float32),
                       task=TASKS[self.rng.integers(4)],
@@ -196,12 +219,12 @@ def bench_take(groups, rounds, g, max_len):
           for k, v in med.items()}
 
 
-def bench_memory(groups, g, max_len):
-  src = Source(1, g, max_len)
+def bench_memory(groups, g, max_len, lengths):
+  src = Source(1, g, max_len, lengths)
   t = fr.Table(spec(groups, g, max_len, fr.StalestFirst()))
   fr_insert(t, src.next(groups))
   for _ in range(3):  # churn: take and refill (holes, compactions)
-    for vals in t.take_batch({k: 64 for k in TASKS}, include_stale=True).values():
+    for vals in t.take_batch({k: 64 for k in TASKS}, include_stale=True, timeout=60).values():
       del vals
     fr_insert(t, src.next(256))
   m = t.ragged_memory()["['tokens']"]
@@ -215,24 +238,80 @@ def bench_memory(groups, g, max_len):
           "mean_length": tokens / responses, "compactions": m["compactions"]}
 
 
+def bench_programs(capacities, ks, reps=40, rounds=5):
+  """Median us of ``select_by`` through each path, interleaved; ``topk / radix`` ratios."""
+  from funcreplay.core.ops import grouped
+  out = []
+  for sampler in (fr.StalestFirst(), fr.Prioritized(1.0)):
+    for c in capacities:
+      for k in ks:
+        vocab = tuple(f"t{i}" for i in range(k))
+        spec = fr.TableSpec(c, {"x": jax.ShapeDtypeStruct((), jnp.int32)}, sampler=sampler,
+                            metadata=(fr.Column("task", vocab=vocab),))
+        rng = np.random.default_rng(0)
+        t = fr.Table(spec)
+        for i in range(0, c, 4096):
+          n = min(4096, c - i)
+          t.insert({"x": np.zeros(n, np.int32)}, metadata={"task": rng.integers(0, k, n)},
+                   version=np.int32(rng.integers(0, 50)))  # versions in bursts, as producers
+        state = t.snapshot()
+        values = jnp.arange(k, dtype=jnp.int32)
+        counts = jnp.full((k,), 32 // k, jnp.int32)
+        key = jax.random.PRNGKey(0)
+        programs = {}
+        for name, cap in (("topk", 1 << 30), ("radix", 0)):
+          grouped.TOPK_MAX_GROUPS = cap  # read when the program is traced (just below)
+          f = jax.jit(lambda s, v, n, r, spec=spec: grouped.select_by(
+              spec, s, "task", v, n, batch_size=32, rng=r, version=jnp.int32(50)))
+          jax.block_until_ready(f(state, values, counts, key))
+          programs[name] = functools.partial(f, state, values, counts, key)
+        grouped.TOPK_MAX_GROUPS = 4
+        same = [np.asarray(p()[0]) for p in programs.values()]
+        assert np.array_equal(*same), "the two paths chose different rows"
+        times = {name: [] for name in programs}
+        for r in range(rounds):
+          for name in (list(programs) if r % 2 == 0 else list(reversed(programs))):
+            for _ in range(reps):
+              t0 = time.perf_counter()
+              jax.block_until_ready(programs[name]())
+              times[name].append(time.perf_counter() - t0)
+        med = {name: 1e6 * float(np.median(v)) for name, v in times.items()}
+        out.append({"sampler": type(sampler).__name__, "C": c, "K": k, **med,
+                    "topk_over_radix": med["topk"] / med["radix"]})
+        t.close()
+  return out
+
+
 def main(argv):
   del argv
   load = os.getloadavg()
+  programs = bench_programs([int(c) for c in FLAGS.program_capacities],
+                            [int(k) for k in FLAGS.program_groups])
   take = bench_take(FLAGS.groups, FLAGS.rounds, FLAGS.group_size, FLAGS.max_len)
-  mem = bench_memory(FLAGS.groups, FLAGS.group_size, FLAGS.max_len)
+  mem = {d: bench_memory(FLAGS.groups, FLAGS.group_size, FLAGS.max_len, d)
+         for d in ("uniform", "lognormal")}
   print(f"take {COUNTS} from {FLAGS.groups} groups (stalest first, taken groups deleted); "
         f"load {load[0]:.1f}:")
   for k, v in take.items():
     print(f"  {k:12s} {v['median_ms']:8.3f} ms   {v['ratio_vs_take_batch']:6.2f}x the one-call "
           "take's time")
-  print(f"memory per stored token (int32 tokens, lengths uniform [16, {FLAGS.max_len}], mean "
-        f"{mem['mean_length']:.0f}): ragged {mem['bytes_per_token_ragged']:.3f} B "
-        f"({mem['ratio_ragged']:.3f}x the payload), padded to {FLAGS.max_len}: "
-        f"{mem['bytes_per_token_padded']:.3f} B ({mem['ratio_padded']:.3f}x)")
+  for d, m in mem.items():
+    what = (f"uniform [{MIN_LEN}, {FLAGS.max_len}]" if d == "uniform" else
+            f"lognormal (median {LOGNORMAL_MEDIAN}, sigma {LOGNORMAL_SIGMA}) clipped to "
+            f"[{MIN_LEN}, {FLAGS.max_len}]")
+    print(f"memory per stored token (int32 tokens, lengths {what}, mean "
+          f"{m['mean_length']:.0f}): ragged {m['bytes_per_token_ragged']:.3f} B "
+          f"({m['ratio_ragged']:.3f}x the payload), padded to {FLAGS.max_len}: "
+          f"{m['bytes_per_token_padded']:.3f} B ({m['ratio_padded']:.3f}x)")
+  print("select_by program alone (B = 32; > 1: the radix select is faster):")
+  for p in programs:
+    print(f"  {p['sampler']:13s} C={p['C']:6d} K={p['K']:2d}: top-k stages {p['topk']:8.1f} us, "
+          f"radix {p['radix']:8.1f} us: {p['topk_over_radix']:5.2f}x")
   if FLAGS.out:
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out, "w") as f:
-      json.dump({"take": take, "memory": mem, "groups": FLAGS.groups, "load": load}, f, indent=1)
+      json.dump({"take": take, "memory": mem, "programs": programs, "groups": FLAGS.groups,
+                 "load": load}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -161,11 +161,10 @@ def check_timeout(timeout) -> Optional[float]:
 F32_MAX = float(np.finfo(np.float32).max)
 
 
-def check_item_extras(version, priority, metadata: Optional[Mapping[str, Any]],
-                      columns: Sequence[str], what: str):
-  """``(version, priority, metadata)`` of ONE item, checked (``Ingestor.put``, the Ray
-  ``RemoteWriter.put``): an int32 version, a finite float32 priority >= 0, int32 values of
-  known metadata ``columns``. None stays None. ``what`` names the call in the errors."""
+def check_version_priority(version, priority, what: str):
+  """``(version, priority)`` of ONE item, checked: an int32 version, a finite float32
+  priority >= 0; None stays None. ``what`` names the call in the errors. (Its metadata:
+  ``funcreplay.host.rollout.columns.check_item_extras``.)"""
   if version is not None:
     version = check_int(version, f"{what} version")
   if priority is not None:
@@ -178,7 +177,4 @@ def check_item_extras(version, priority, metadata: Optional[Mapping[str, Any]],
       raise ValueError(f"{what}: priority must be finite and >= 0 (as float32), got "
                        f"{priority!r}.")
     priority = p
-  if metadata is not None:
-    metadata = {k: check_int(v, f"{what} metadata[{k!r}]")
-                for k, v in check_metadata_columns(metadata, columns, what).items()}
-  return version, priority, metadata
+  return version, priority

@@ -140,7 +140,8 @@ class TableServer:
   def insert_batch(self, leaves, version, priority, metadata) -> int:
     """A writer's batch: stacked leaves ``[n, ...]``; ``version`` int64[n] with ``NO_VERSION`` for
     "the table's version at insertion" (or None: all); ``priority`` float32[n] with NaN for
-    "the default priority" (or None: all); ``metadata`` column -> int32[n] (or None).
+    "the default priority" (or None: all); ``metadata`` column -> int32[n], float32[n] for a
+    float column (or None).
 
     Waits as long as the rate limiter forbids the inserts (back-pressure: the writer
     bounds its unacknowledged batches); ``close()`` ends the wait with

@@ -40,6 +40,7 @@ import numpy as np
 
 from funcreplay.host import validation
 from funcreplay.host.itemcheck import ItemChecker
+from funcreplay.host.rollout import columns as col_lib
 from funcreplay.ray.calls import require_ray
 from funcreplay.ray.errors import (
   WriterClosedError,
@@ -98,7 +99,7 @@ class RemoteWriter(InFlightBatches):
     self._spec = spec
     self._sig = spec.signature
     self._n_leaves = len(self._sig.leaves)
-    self._columns = tuple(spec.metadata)
+    self._columns = spec.columns  # fr.Column each: entries carry stored words
     self._checker = ItemChecker(self._sig, "RemoteWriter.put")
     self._fast = self._checker.fast
     self._lock = threading.Lock()
@@ -136,8 +137,8 @@ class RemoteWriter(InFlightBatches):
     if self._copy:
       leaves = tuple(map(np.array, leaves))
     if version is not None or priority is not None or metadata is not None:
-      leaves += validation.check_item_extras(version, priority, metadata, self._columns,
-                                             "RemoteWriter.put")
+      leaves += col_lib.check_item_extras(version, priority, metadata, self._columns,
+                                          "RemoteWriter.put")
     with self._lock:
       self._append([leaves], "put")
 
@@ -157,10 +158,7 @@ class RemoteWriter(InFlightBatches):
           priority, b, "RemoteWriter.put_batch priority").tolist()
       metas = [None] * b
       if metadata is not None:
-        cols = validation.check_metadata_columns(metadata, self._columns,
-                                                 "RemoteWriter.put_batch")
-        vals = {k: validation.int_rows(v, b, f"RemoteWriter.put_batch metadata[{k!r}]").tolist()
-                for k, v in cols.items()}
+        vals = col_lib.batch_words(self._columns, metadata, b, "RemoteWriter.put_batch")
         metas = [{k: vals[k][i] for k in vals} for i in range(b)]
       rows = [r + x for r, x in zip(rows, zip(vers, prios, metas, strict=True), strict=True)]
     with self._lock:

@@ -3,10 +3,26 @@ take or peek) and ``gather`` (rows by slot, without touching any counter).
 
 xtuner's learner asks ``is_ready({task: n, ...})`` and then ``take_batch({task: n,
 ...})``; one ``count`` / ``sample(where=...)`` per task is one O(C) pass per task.
-Here every slot gets a group id once (``group_ids``: O(C K) compares, K the number of
-requested values, vectorized), the counts are one scatter-add, and the rows of every
-group come from one sort of all slots by ``(group, order)``: O(C log C) once per call,
-whatever K is.
+Here one program per call costs O(C) whatever K (the number of requested values) is
+(O(C log K) for a plain column asked for more than 8 values), plus O(B log B) for the
+B rows; no ``[K, C]`` array is built for K > 4:
+
+* group ids (``group_ids``): a lookup by code for a vocabulary column (O(C + V)); for a
+  plain or float column, K compares per slot up to 8 values, a binary search beyond;
+* counts: one scatter-add;
+* rows, up to 4 groups (``TOPK_MAX_GROUPS``; the host pads K to >= 4): two
+  ``lax.top_k`` stages over ``[K, C]`` float32 scores (``_top_by_group``; O(C) as K <= 4)
+  and a sort of the ``2 K min(B, C)`` candidates;
+* rows, more groups, or order keys not exact in float32 (``first_by_group``): a radix
+  select of each group's ``take[g]`` first items: per 8-bit digit of the order keys, one
+  scatter-add of the C items into a ``[K + 1, 256]`` histogram picks each group's digit;
+  digits above the span of the keys still in play are skipped (``StalestFirst``: one
+  pass for a version span under 256, two or three for the ages within the threshold
+  version). Then one ``lax.top_k`` of the C chosen flags and a sort of the B rows.
+
+On XLA:CPU the top-k stages are faster up to K = 4 (a tuned kernel against scatter-adds
+of ~1-3 ns per element), the radix select from K = 8 on (README "Rollout groups for LLM
+RL" has the timings).
 
 The order within a group is the sampler's: the deterministic selectors sort by their
 keys (``ordering.order_keys``); ``Uniform`` by random keys (a uniformly random subset,
@@ -15,6 +31,8 @@ are a weighted draw without replacement, successive sampling: Efraimidis & Spira
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,16 +46,48 @@ from funcreplay.core.ops.rows import take as _take_rows
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import Sample, SampleInfo, TableState
 
+COMPARE_MAX_GROUPS = 8  # up to here K vectorized compares per slot beat a binary search
 
-def group_ids(state: TableState, column, values):
-  """int32[C]: the index in ``values`` (int32[K]) of each slot's ``column`` value, K if
-  none. ``column`` None puts every slot in group 0 (K must be 1)."""
+
+def group_ids(state: TableState, column, values, num_codes=None):
+  """int32[C]: the index in ``values`` (int32[K]; a repeated value belongs to its first
+  index) of each slot's ``column`` value, K if none. ``column`` None puts every slot in
+  group 0 (K must be 1). ``num_codes``: the vocabulary size of a vocabulary column (its
+  values are codes in ``[0, num_codes)``): a lookup table, O(C + num_codes); None: K
+  compares per slot up to ``COMPARE_MAX_GROUPS`` values, else a binary search in the
+  sorted values, O(C log K)."""
   c = state.occupied.shape[0]
   k = values.shape[0]
   if column is None:
     return jnp.zeros((c,), jnp.int32)
-  eq = state.metadata[column][:, None] == values[None, :]
-  return jnp.where(jnp.any(eq, axis=1), jnp.argmax(eq, axis=1).astype(jnp.int32), k)
+  col = state.metadata[column]
+  index = jnp.arange(k, dtype=jnp.int32)
+  if num_codes is not None:
+    lut = jnp.full((num_codes,), k, jnp.int32).at[values].min(index, mode="drop")
+    inside = (col >= 0) & (col < num_codes)
+    return jnp.where(inside, lut[jnp.clip(col, 0, num_codes - 1)], k)
+  if k <= COMPARE_MAX_GROUPS:
+    eq = col[:, None] == values[None, :]
+    return jnp.where(jnp.any(eq, axis=1), jnp.argmax(eq, axis=1).astype(jnp.int32), k)
+  order = jnp.argsort(values, stable=True)  # equal values: the first index first
+  sorted_values = values[order]
+  pos = jnp.searchsorted(sorted_values, col, side="left", method="scan_unrolled")
+  pos = jnp.clip(pos, 0, k - 1)
+  return jnp.where(sorted_values[pos] == col, order[pos].astype(jnp.int32), k)
+
+
+def _unique_keys(spec: TableSpec, rng) -> bool:
+  """True when ``_order``'s keys end with the item's age (distinct for occupied slots)."""
+  if not sel.is_ordered(spec.sampler):
+    return rng is None  # Fifo order; random keys can tie
+  return isinstance(spec.sampler, (sel.Fifo, sel.Lifo, sel.StalestFirst, sel.FreshestFirst))
+
+
+def _num_codes(spec: TableSpec, column):
+  if column is None:
+    return None
+  vocab = spec.column(column).vocab
+  return None if vocab is None else len(vocab)
 
 
 def count_by(spec: TableSpec, state: TableState, column, values, *, version=None,
@@ -45,7 +95,7 @@ def count_by(spec: TableSpec, state: TableState, column, values, *, version=None
   """int32[K]: eligible items (``eligible_mask``: occupied, fresh at ``version``, in
   ``where``) whose ``column`` equals each of ``values`` (int32[K], distinct). One pass."""
   k = values.shape[0]
-  gid = group_ids(state, column, values)
+  gid = group_ids(state, column, values, _num_codes(spec, column))
   ok = eligible_mask(spec, state, version, where)
   return jnp.zeros((k + 1,), jnp.int32).at[jnp.where(ok, gid, k)].add(1)[:k]
 
@@ -64,6 +114,11 @@ def _order(spec: TableSpec, state: TableState, rng):
   return (jax.random.bits(rng, (c,), jnp.uint32),)
 
 
+# Up to this many groups (a take of up to 4 values: the host pads K to >= 4), two
+# ``lax.top_k`` over ``[K, C]`` beat the radix passes on XLA:CPU (its top-k is a tuned
+# kernel, its scatter-adds cost ~1-3 ns per element); from 8 on, the radix select wins
+# (README "Rollout groups for LLM RL"). Either way O(C) per call: K <= 4 here.
+TOPK_MAX_GROUPS = 4
 FLOAT_EXACT = 2**24  # integers in [0, 2**24] are exact in float32
 
 
@@ -99,7 +154,8 @@ def _top_by_group(gid, scores, take, kk):
 
   Stage 1 takes every item whose primary score beats the ``take[g]``-th best (``p*``);
   stage 2 fills the rest from the items tied at ``p*``, by the secondary score.
-  Returns ``(ordered slots, start)`` laid out like ``_sorted_by_group``'s."""
+  Returns ``(ordered slots, start)`` laid out like ``first_by_group``'s, in ``2 K kk``
+  positions."""
   k = take.shape[0]
   s1, s2 = scores
   member = gid[None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
@@ -117,16 +173,88 @@ def _top_by_group(gid, scores, take, kk):
   return ordered, jnp.cumsum(take) - take
 
 
-def _sorted_by_group(gid, keys, available, take, n):
-  """The same from a sort of all slots by (group, order) (O(C log C): keys not exact
-  in float32): the first ``take[g]`` of each group, in ``n`` positions."""
-  slots = jnp.arange(gid.shape[0], dtype=jnp.int32)
-  ordered = lax.sort((gid, *keys, slots), num_keys=1 + len(keys))[-1]
-  end = jnp.cumsum(take)
-  t = jnp.arange(n, dtype=jnp.int32)
-  g = jnp.minimum(jnp.searchsorted(end, t, side="right"), take.shape[0] - 1)
-  src = (jnp.cumsum(available) - available)[g] + t - (end[g] - take[g])
-  return _take_rows(ordered, jnp.clip(src, 0, slots.shape[0] - 1)), end - take
+RADIX_BITS = 8  # one digit per pass: a [K + 1, 256] histogram, one scatter-add of C items
+UINT32_MAX = 2**32 - 1
+
+
+def _ascending_u32(key):
+  """uint32[C] in the order of ``key`` (signed / unsigned ints, floats; ascending)."""
+  if jnp.issubdtype(key.dtype, jnp.floating):
+    key = jnp.where(key == 0, 0.0, key).astype(jnp.float32)  # -0.0 ties with 0.0, as in <
+    b = lax.bitcast_convert_type(key, jnp.uint32)
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(1 << 31))  # negatives reversed
+  if jnp.issubdtype(key.dtype, jnp.signedinteger):
+    return lax.bitcast_convert_type(key.astype(jnp.int32), jnp.uint32) ^ jnp.uint32(1 << 31)
+  return key.astype(jnp.uint32)
+
+
+def _digit_pass(shift, rel, row, k, carry):
+  """One radix digit: every group keeps the items on the digit where its ``need``-th
+  item lies, and takes those below it (``carry = (chosen, active, need)``)."""
+  chosen, active, need = carry
+  d = ((rel >> shift) & (2**RADIX_BITS - 1)).astype(jnp.int32)
+  r = jnp.where(active, row, k)
+  hist = jnp.zeros(((k + 1) << RADIX_BITS,), jnp.int32).at[(r << RADIX_BITS) + d].add(1)
+  cum = jnp.cumsum(hist.reshape(k + 1, 2**RADIX_BITS)[:k], axis=1)  # items with digit <= d
+  pick = jnp.sum(cum < need[:, None], axis=1, dtype=jnp.int32)  # first digit reaching need
+  below = jnp.where(pick > 0, jnp.take_along_axis(cum, jnp.maximum(pick - 1, 0)[:, None],
+                                                  axis=1)[:, 0], 0)
+  dg = jnp.concatenate([pick, jnp.full((1,), -1, jnp.int32)])[row]  # row K: no group
+  return chosen | (active & (d < dg)), active & (d == dg), need - below
+
+
+def _select_key(u, row, k, carry):
+  """The radix passes over one uint32 key, relative to the smallest key in play; a digit
+  above the span of the keys in play is zero for all of them (a pass would keep them all
+  and take none), so it is skipped."""
+  active = carry[1]
+  lo = jnp.min(jnp.where(active, u, jnp.uint32(UINT32_MAX)))
+  rel = jnp.where(active, u - lo, jnp.uint32(0))
+  top = jnp.max(rel)
+  for shift in reversed(range(0, 32, RADIX_BITS)):
+    carry = lax.cond((top >> shift) == 0, lambda c: c,
+                     functools.partial(_digit_pass, shift, rel, row, k), carry)
+  return carry
+
+
+def first_by_group(gid, keys, take, kk: int, *, unique_keys: bool = False):
+  """Slots of the ``take[g]`` first items of each group (ascending ``keys``, ties by slot),
+  grouped and in order, in ``kk >= sum(take)`` positions (then ``C``: none), without a
+  sort of the table or a ``[K, C]`` array: a radix select (module docstring).
+
+  Args:
+    gid: int32[C] group of each slot, K for none.
+    keys: a tuple of ``[C]`` order keys (ints or floats; most significant first).
+    take: int32[K] items per group, each <= the group's size.
+    kk: static, ``sum(take) <= kk <= C``.
+    unique_keys: static; True when no two slots have equal keys (an age among them),
+      which skips the check for ties (a scatter-add of C).
+
+  Returns ``(ordered slots int32[kk], start int32[K])``: group g's items at
+  ``ordered[start[g]:start[g] + take[g]]``."""
+  c = gid.shape[0]
+  k = take.shape[0]
+  row = jnp.minimum(gid, k)
+  need = take
+  active = (gid < k) & (jnp.concatenate([take, jnp.zeros((1,), jnp.int32)])[row] > 0)
+  carry = (jnp.zeros((c,), bool), active, need)
+  for key in keys:
+    carry = _select_key(_ascending_u32(key), row, k, carry)
+  # Items still in play tie with their group's threshold on every key: more of them than
+  # needed only on equal keys (e.g. equal random draws); the slot breaks those ties.
+  if not unique_keys:
+    slots = jnp.arange(c, dtype=jnp.uint32)
+    in_play = jnp.zeros((k + 1,), jnp.int32).at[jnp.where(carry[1], row, k)].add(1)[:k]
+    carry = lax.cond(jnp.any(in_play > carry[2]),
+                     functools.partial(_select_key, slots, row, k), lambda c: c, carry)
+  chosen = carry[0] | carry[1]
+  _, cand = lax.top_k(chosen.astype(jnp.float32), kk)  # the sum(take) chosen slots first
+  cand = cand.astype(jnp.int32)
+  valid = chosen[cand]
+  grp = jnp.where(valid, gid[cand], k)
+  ukeys = [jnp.where(valid, _ascending_u32(key)[cand], 0) for key in keys]
+  ordered = lax.sort((grp, *ukeys, cand), num_keys=2 + len(keys))[-1]
+  return jnp.where(jnp.arange(kk) < jnp.sum(take), ordered, c), jnp.cumsum(take) - take
 
 
 def select_by(spec: TableSpec, state: TableState, column, values, counts, *, batch_size: int,
@@ -147,16 +275,24 @@ def select_by(spec: TableSpec, state: TableState, column, values, counts, *, bat
   c = state.occupied.shape[0]
   k = values.shape[0]
   eligible = eligible_mask(spec, state, version, where)
-  gid = jnp.where(eligible, group_ids(state, column, values), k)
+  gid = jnp.where(eligible, group_ids(state, column, values, _num_codes(spec, column)), k)
   available = jnp.zeros((k + 1,), jnp.int32).at[gid].add(1)[:k]
   keys = _order(spec, state, rng)
   counts = jnp.asarray(counts, jnp.int32)
-  scores, fits = _float_scores(keys, eligible)
-  kk = min(batch_size, c)
   take = jnp.minimum(counts, available)
-  ordered, start = lax.cond(
-      fits, lambda: _top_by_group(gid, scores, take, kk),
-      lambda: _sorted_by_group(gid, keys, available, take, 2 * k * kk))
+  kk = min(batch_size, c)
+  radix = functools.partial(first_by_group, gid, keys, take, kk,
+                            unique_keys=_unique_keys(spec, rng))
+  if k <= TOPK_MAX_GROUPS:
+    scores, fits = _float_scores(keys, eligible)
+
+    def top_k():
+      ordered, start = _top_by_group(gid, scores, take, kk)
+      return ordered[:kk], start  # the rows are the first sum(take) <= kk
+
+    ordered, start = lax.cond(fits, top_k, radix)
+  else:
+    ordered, start = radix()
   req_end = jnp.cumsum(counts)
   r = jnp.arange(batch_size, dtype=jnp.int32)
   group = jnp.searchsorted(req_end, r, side="right").astype(jnp.int32)  # K past the end
@@ -210,4 +346,5 @@ def metadata_rows(state: TableState, slots):
           for name, col in state.metadata.items()}
 
 
-__all__ = ["count_by", "gather", "group_ids", "metadata_rows", "select_by", "take_by"]
+__all__ = ["count_by", "first_by_group", "gather", "group_ids", "metadata_rows", "select_by",
+           "take_by"]

@@ -13,6 +13,7 @@ import numpy as np
 
 from funcreplay.host.ingest.queue import Discarding as _Discarding
 from funcreplay.host.itemcheck import stack_leaf
+from funcreplay.host.rollout import columns as col_lib
 
 
 class Batcher:
@@ -53,7 +54,7 @@ class Batcher:
     """Stack ``entries`` and insert them, in order.
 
     An entry is the tuple of an item's leaves, optionally followed by
-    ``(version, priority, metadata)``.
+    ``(version, priority, metadata)`` (metadata as stored words: ``columns.item_words``).
     """
     n, n_leaves = len(entries), self._n_leaves
     cols = list(zip(*entries, strict=False))  # stops at the shortest entry: the leaves
@@ -70,8 +71,7 @@ class Batcher:
       version = np.array([default if v is None else v for v in vers], np.int32)
     meta = None
     if metas.count(None) != n:
-      meta = {c: np.array([m.get(c, 0) if m else 0 for m in metas], np.int32)
-              for c in self._columns}
+      meta = col_lib.insert_values(self._columns, metas)
     n_none = prios.count(None)
     if n_none in (0, n):
       self._insert(stacked, version, None if n_none else np.array(prios, np.float32), meta, 0, n)

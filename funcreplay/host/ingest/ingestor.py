@@ -161,7 +161,7 @@ class Ingestor(ProducerQueue, InsertWorker, Batcher):
     self._copy = bool(copy)
     self._poll = float(insert_poll_s)
     self._sync_every = validation.check_int(sync_every, "Ingestor sync_every", 0, 2**30)
-    self._columns = tuple(self._spec.metadata)
+    self._columns = self._spec.columns  # fr.Column each: entries carry stored words
 
     self._q: collections.deque = collections.deque()
     self._lock = threading.Lock()

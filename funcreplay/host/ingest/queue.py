@@ -17,6 +17,7 @@ import numpy as np
 
 from funcreplay.host import validation
 from funcreplay.host.ingest.errors import IngestorClosedError, IngestorFullError
+from funcreplay.host.rollout import columns as col_lib
 
 NEVER = 1 << 62  # "no producer needs to wake the insert thread"
 
@@ -43,7 +44,7 @@ class ProducerQueue:
 
   # -- producers ----------------------------------------------------------------------
   def put(self, item: Any, *, version: Optional[int] = None, priority: Optional[float] = None,
-          metadata: Optional[Mapping[str, int]] = None) -> None:
+          metadata: Optional[Mapping[str, Any]] = None) -> None:
     """Queue one item (no batch axis) for insertion.
 
     Args:
@@ -54,7 +55,9 @@ class ProducerQueue:
       version: policy version (int32; default: the table's version when the
         item is inserted).
       priority: finite float >= 0 (default: the table's default priority).
-      metadata: dict column -> int over the spec's metadata columns.
+      metadata: dict column -> value over the spec's metadata columns (an int, a
+        string of a vocabulary column, a float of a float32 column: encoded here, with
+        ``Table.insert``'s checks and errors).
 
     Raises:
       ValueError / TypeError for a bad item (nothing queued);
@@ -84,9 +87,9 @@ class ProducerQueue:
     """Queue ``B`` items given with a leading ``[B]`` axis (in row order).
 
     ``version`` / ``priority``: scalar or ``[B]``; ``metadata``: column ->
-    int or int[B]. A batch larger than ``max_queue`` is queued in chunks
-    (blocking between them); on ``TimeoutError`` the error's ``accepted``
-    attribute says how many leading rows were queued.
+    a value or ``[B]`` values (as in ``Table.insert``). A batch larger than
+    ``max_queue`` is queued in chunks (blocking between them); on ``TimeoutError``
+    the error's ``accepted`` attribute says how many leading rows were queued.
     """
     if self._stop:
       self._raise_stopped("put_batch")
@@ -100,9 +103,7 @@ class ProducerQueue:
     metas = [None] * b
     extras = version is not None or priority is not None or metadata is not None
     if metadata is not None:
-      cols = self._check_meta_keys(metadata, "Ingestor.put_batch")
-      rows = {k: validation.int_rows(v, b, f"Ingestor.put_batch metadata[{k!r}]").tolist()
-              for k, v in cols.items()}
+      rows = col_lib.batch_words(self._columns, metadata, b, "Ingestor.put_batch")
       metas = [{k: rows[k][i] for k in rows} for i in range(b)]
     if self._copy:
       leaves = tuple(np.array(x) for x in leaves)
@@ -152,12 +153,9 @@ class ProducerQueue:
       raise self._wrapped_error("flush")
 
   # -- producer helpers -------------------------------------------------------------------
-  def _check_meta_keys(self, metadata, what) -> Mapping[str, Any]:
-    return validation.check_metadata_columns(metadata, self._columns, what)
-
   def _check_extras(self, version, priority, metadata):
-    return validation.check_item_extras(version, priority, metadata, self._columns,
-                                        "Ingestor.put")
+    return col_lib.check_item_extras(version, priority, metadata, self._columns,
+                                     "Ingestor.put")
 
   def _set_stopped(self) -> None:
     """Send every producer to the slow paths (lock held)."""

@@ -4,12 +4,16 @@ Every column is stored as ``int32[C]`` (``funcreplay.core.columns``): a vocabula
 column as the index of its string, a float32 column as its bit pattern. These
 functions turn what a user passes (strings, floats, ints) into those words, and back,
 with the boundary's clear errors: an unknown vocabulary value, a float for an int
-column, a value that does not fit.
+column, a value that does not fit. ``Table.insert`` encodes through ``rows``; the
+queues in front of it (the ``Ingestor``, the Ray ``RemoteWriter``) encode each item at
+``put`` time through ``item_words`` / ``batch_words`` (so a bad value is refused there,
+with the same error) and hand the table ``insert_values``: values it stores as exactly
+those words.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -101,4 +105,61 @@ def value_key(col: Column, value: Any):
   return value
 
 
-__all__ = ["decode", "encode", "rows", "value_key"]
+def _by_name(columns: Sequence[Column], metadata, what: str) -> Dict[str, Column]:
+  by_name = {c.name: c for c in columns}
+  validation.check_metadata_columns(metadata, by_name, what)
+  return by_name
+
+
+def item_words(columns: Sequence[Column], metadata: Mapping[str, Any],
+               what: str) -> Dict[str, int]:
+  """ONE item's metadata (``Ingestor.put``, ``RemoteWriter.put``): ``{name: stored word}``
+  over the given keys of ``metadata`` (a subset of ``columns``, the spec's). Each value is
+  a scalar: a string of a vocabulary, a float of a float32 column, an int; checked and
+  encoded by ``rows``, as in ``Table.insert`` (the same errors)."""
+  by_name = _by_name(columns, metadata, what)
+  out = {}
+  for k, v in metadata.items():
+    w = f"{what} metadata[{k!r}]"
+    if np.ndim(v) != 0:
+      raise TypeError(f"{w}: expected one value (a scalar) for one item, got shape "
+                      f"{list(np.shape(v))}.")
+    out[k] = int(rows(by_name[k], v, 1, w)[0])
+  return out
+
+
+def batch_words(columns: Sequence[Column], metadata: Mapping[str, Any], n: int,
+                what: str) -> Dict[str, List[int]]:
+  """``{name: n stored words}`` of a batch's metadata (each value a scalar or ``[n]``)."""
+  by_name = _by_name(columns, metadata, what)
+  return {k: rows(by_name[k], v, n, f"{what} metadata[{k!r}]").tolist()
+          for k, v in metadata.items()}
+
+
+def check_item_extras(version, priority, metadata: Optional[Mapping[str, Any]],
+                      columns: Sequence[Column], what: str):
+  """``(version, priority, metadata)`` of ONE item (``Ingestor.put``, the Ray
+  ``RemoteWriter.put``), checked: ``validation.check_version_priority``, and the
+  metadata as ``item_words`` (stored words of the spec's ``columns``). None stays None."""
+  version, priority = validation.check_version_priority(version, priority, what)
+  if metadata is not None:
+    metadata = item_words(columns, metadata, what)
+  return version, priority, metadata
+
+
+def insert_values(columns: Sequence[Column],
+                  words: Sequence[Optional[Mapping[str, int]]]) -> Dict[str, np.ndarray]:
+  """``Table.insert``'s ``metadata=`` for items whose stored words are ``words`` (one dict
+  per item from ``item_words`` / ``batch_words``, or None; a missing column is word 0, as
+  in ``Table.insert``): int32 codes for int and vocabulary columns, float32 for a float
+  column (its words' bits: ``encode`` gives them back unchanged, as -0.0 and NaN never
+  reach a word)."""
+  out = {}
+  for c in columns:
+    w = np.array([m.get(c.name, 0) if m else 0 for m in words], np.int32)
+    out[c.name] = c.decode(w)
+  return out
+
+
+__all__ = ["batch_words", "check_item_extras", "decode", "encode", "insert_values", "item_words",
+           "rows", "value_key"]

@@ -7,7 +7,10 @@ collects them; a group is inserted as one item when its G-th response arrives, o
 past ``timeout_s`` since its first response, with the responses it has, a ``mask``
 and the ``partial`` status (a background thread checks deadlines every
 ``poll_s``). A response for a group already inserted is *late*: it is refused
-(``add`` returns False) and counted, never dropped silently.
+(``add`` returns False) and counted, never dropped silently. A group whose insert
+raises is counted as ``failed`` and the error reaches the caller (``add`` / ``flush``
+raise it; a timed-out group's, from the background thread, is raised by the next
+``add`` / ``flush`` / ``close``).
 
 The default assembly (``assemble_group``) maps response leaves to group leaves by
 name, over a dict signature: a ``Ragged`` group leaf concatenates the responses'
@@ -39,8 +42,10 @@ class GroupStats:
   responses: int = 0
   complete: int = 0       # groups inserted with all G responses
   partial: int = 0        # groups inserted at their timeout, masked
-  late: int = 0           # responses refused: their group was already inserted
+  failed: int = 0         # groups whose insert raised (the caller got the error): not stored
+  late: int = 0           # responses refused: their group was already inserted (or failed)
   pending: int = 0        # groups still collecting
+  # Every group begun is in exactly one of complete, partial, failed, pending.
 
 
 def assemble_group(spec, group_size: int):
@@ -152,7 +157,9 @@ class GroupWriter:
     lowest: the stalest); ``metadata``: the group's columns (the first response's
     count); ``payload``: kept per response, the group's payload is their list (tables
     with ``payloads=True``). Returns False for a late response (its group was already
-    inserted; counted in ``stats().late``). The call that completes a group inserts it.
+    inserted; counted in ``stats().late``). The call that completes a group inserts it;
+    if that insert (or the assembly) raises, the error propagates from this call and the
+    group is counted in ``stats().failed``.
     """
     self._raise_pending()
     if self._closed.is_set():
@@ -179,12 +186,16 @@ class GroupWriter:
     return True
 
   def flush(self) -> int:
-    """Insert every incomplete group now (masked, ``partial``); returns how many."""
+    """Insert every incomplete group now (masked, ``partial``); returns how many.
+
+    Every group is tried; if inserts raise, the others still go in, the failures are
+    counted (``stats().failed``) and the first error is raised after the last insert."""
     with self._lock:
       ids = list(self._groups)
       groups = [self._finish_locked(g) for g in ids]
-    for grp in groups:
-      self._insert(grp, complete=False)
+    error = self._insert_all(groups)
+    if error is not None:
+      raise error
     return len(groups)
 
   def close(self, flush: bool = True) -> None:
@@ -211,19 +222,36 @@ class GroupWriter:
     return grp
 
   def _insert(self, grp: _Group, *, complete: bool) -> None:
-    item = self._assemble(grp.responses)
-    meta = dict(grp.metadata)
-    if self._status is not None:
-      meta[self._status] = self._values[0 if complete else 1]
-    kwargs = dict(version=grp.version, metadata=meta, timeout=self._insert_timeout)
-    if getattr(self._table, "keeps_payloads", False):
-      kwargs["payload"] = [list(grp.payloads[:grp.n])]
-    self._table.insert(item, **kwargs)
+    try:
+      item = self._assemble(grp.responses)
+      meta = dict(grp.metadata)
+      if self._status is not None:
+        meta[self._status] = self._values[0 if complete else 1]
+      kwargs = dict(version=grp.version, metadata=meta, timeout=self._insert_timeout)
+      if getattr(self._table, "keeps_payloads", False):
+        kwargs["payload"] = [list(grp.payloads[:grp.n])]
+      self._table.insert(item, **kwargs)
+    except BaseException:
+      # The group has left ``_groups`` (its id is in ``_recent``): count it, so that
+      # complete + partial + failed + pending accounts for every group begun.
+      with self._lock:
+        self._stats.failed += 1
+      raise
     with self._lock:
       if complete:
         self._stats.complete += 1
       else:
         self._stats.partial += 1
+
+  def _insert_all(self, groups) -> Optional[BaseException]:
+    """Insert the finished incomplete ``groups``, each tried; the first error, if any."""
+    error = None
+    for grp in groups:
+      try:
+        self._insert(grp, complete=False)
+      except BaseException as e:  # noqa: BLE001 (counted in _insert; returned to raise)
+        error = error or e
+    return error
 
   def _reap(self) -> None:
     while not self._closed.wait(self._poll):
@@ -231,12 +259,11 @@ class GroupWriter:
       with self._lock:
         ids = [g for g, grp in self._groups.items() if grp.deadline <= now]
         groups = [self._finish_locked(g) for g in ids]
-      for grp in groups:
-        try:
-          self._insert(grp, complete=False)
-        except BaseException as e:  # noqa: BLE001 (re-raised in the producers)
-          self._error = e
-          return
+      error = self._insert_all(groups)
+      if error is not None and self._error is None:
+        # Re-raised in the producers; the thread goes on, so that no group stays pending
+        # past its deadline (each failure is counted in stats().failed).
+        self._error = error
 
   def _raise_pending(self) -> None:
     if self._error is not None:

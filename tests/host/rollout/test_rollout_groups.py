@@ -91,3 +91,63 @@ def test_close_flushes_and_bad_arguments():
   assert len(t) == 1 and w.stats().partial == 1
   with pytest.raises(RuntimeError, match="closed"):
     w.add(2, response(2, 0))
+
+
+class FailingTable:
+  """A ``Table`` whose next ``fail`` inserts raise (a full table, a dead actor...)."""
+
+  def __init__(self, table, fail=0):
+    self.table, self.spec, self.fail = table, table.spec, fail
+
+  def insert(self, items, **kw):
+    if self.fail:
+      self.fail -= 1
+      raise OSError("insert failed (test)")
+    self.table.insert(items, **kw)
+
+
+def accounted(w, begun):
+  s = w.stats()
+  assert s.complete + s.partial + s.failed + s.pending == begun, s
+  return s
+
+
+def test_a_failed_insert_is_counted_and_raised():
+  t = FailingTable(fr.Table(SPEC))
+  w = fr.GroupWriter(t, G)
+  for i in range(G - 1):
+    w.add("a", response(1, i), metadata={"task": "math"})
+  t.fail = 1
+  with pytest.raises(OSError, match="insert failed"):   # the caller completing the group
+    w.add("a", response(1, G - 1))
+  s = accounted(w, 1)
+  assert (s.failed, s.complete, len(t.table)) == (1, 0, 0)
+  assert w.add("a", response(1, 0)) is False and w.stats().late == 1  # refused, counted
+  for i in range(G):                                    # the writer goes on
+    w.add("b", response(2, i))
+  assert accounted(w, 2).complete == 1 and len(t.table) == 1
+  # flush: every incomplete group is tried, the failures counted, the first error raised
+  for gid in ("c", "d", "e"):
+    w.add(gid, response(3, 0))
+  t.fail = 2
+  with pytest.raises(OSError, match="insert failed"):
+    w.flush()
+  s = accounted(w, 5)
+  assert (s.failed, s.partial, s.pending, len(t.table)) == (3, 1, 0, 2)
+  w.close()
+
+
+def test_a_failed_timeout_insert_is_counted_and_raised_by_the_next_call():
+  t = FailingTable(fr.Table(SPEC), fail=1)
+  w = fr.GroupWriter(t, G, timeout_s=0.05, poll_s=0.01)
+  w.add("a", response(1, 0))
+  w.add("b", response(2, 0))
+  deadline = time.monotonic() + 10
+  while w.stats().pending and time.monotonic() < deadline:
+    time.sleep(0.01)
+  s = accounted(w, 2)
+  assert (s.failed, s.partial, len(t.table)) == (1, 1, 1)  # both tried, one failed
+  with pytest.raises(RuntimeError, match="timed-out group failed.*insert failed"):
+    w.add("c", response(3, 0))
+  with pytest.raises(RuntimeError, match="timed-out group failed"):
+    w.close()

@@ -292,8 +292,8 @@ def _select_program(sampler):
 @given(st.integers(0, len(SELECTORS) - 1), st.integers(1, 40), st.booleans(),
        st.lists(st.integers(0, 12), min_size=4, max_size=4), st.integers(0, 2**16))
 def test_grouped_selection_matches_a_sort(which, n, wide, counts, seed):
-  """``select_by`` (top-k stages when the keys fit float32, a full sort otherwise: wide
-  version ranges force it) returns each group's first items in the sampler's order."""
+  """``select_by`` (top-k stages when the keys fit float32, the radix select otherwise:
+  wide version ranges force it) returns each group's first items in the sampler's order."""
   from funcreplay.core import ordering
   sampler = SELECTORS[which]
   spec, empty, insert, select = _select_program(sampler)
