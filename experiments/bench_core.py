@@ -533,7 +533,7 @@ def main(argv):
   f = flags.FLAGS
   if f.scan:  # issue 25's in-scan cases, portable and native vs flashbax (bench_scan.py)
     from experiments import bench_scan
-    bench_scan.main(["--hlo", f"--rounds={f.scan_rounds}", f"--platform={f.scan_platform}"])
+    bench_scan.start(hlo=True, rounds=f.scan_rounds, platform=f.scan_platform)
     return
   rows = run(f.small)
   for r in rows:

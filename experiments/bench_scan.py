@@ -37,9 +37,9 @@ prints the operation counts of the compiled programs (``funcreplay.core.hlo``).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -227,20 +227,28 @@ def hlo_counts(fbx):
   }
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--rounds", type=int, default=5)
-  ap.add_argument("--target_s", type=float, default=0.15)
-  ap.add_argument("--cases", default="uniform,prioritized")
-  ap.add_argument("--hlo", action="store_true")
-  ap.add_argument("--ring", action="store_true", help="also lean with ring slots (no holes)")
-  ap.add_argument("--native", type=int, default=1,
-                  help="also time native=True (CPU kernels; 0: portable vs flashbax only)")
-  ap.add_argument("--platform", default="", help="cpu, gpu or tpu ('': JAX's default backend)")
-  a = ap.parse_args(argv)
-  if a.platform:  # before any backend is initialised
+# The options of ``run`` and their defaults (the absl flags below, and ``bench_core --scan``).
+OPTIONS = dict(rounds=5, target_s=0.15, cases="uniform,prioritized", hlo=False, ring=False,
+               native=True, platform="")
+
+
+def start(**options):
+  """``run`` with ``OPTIONS`` updated by ``options``; selects ``platform`` first (before any
+  backend is initialised)."""
+  unknown = set(options) - set(OPTIONS)
+  if unknown:
+    raise TypeError(f"bench_scan.start: unknown options {sorted(unknown)}; known: "
+                    f"{sorted(OPTIONS)}.")
+  a = types.SimpleNamespace(**{**OPTIONS, **options})
+  if a.platform:
     jax.config.update("jax_platforms", a.platform)
   run(a)
+
+
+def main(argv):
+  del argv
+  from absl import flags
+  start(**{name: getattr(flags.FLAGS, name) for name in OPTIONS})
 
 
 def run(a):
@@ -290,4 +298,14 @@ def run(a):
 
 
 if __name__ == "__main__":
-  main()
+  from absl import app, flags
+  flags.DEFINE_integer("rounds", OPTIONS["rounds"], "interleaved rounds (medians reported)")
+  flags.DEFINE_float("target_s", OPTIONS["target_s"], "seconds per timed batch of calls")
+  flags.DEFINE_string("cases", OPTIONS["cases"], "comma-separated: uniform, prioritized")
+  flags.DEFINE_bool("hlo", OPTIONS["hlo"], "print the HLO operation counts first")
+  flags.DEFINE_bool("ring", OPTIONS["ring"], "also the lean sample with ring slots (no holes)")
+  flags.DEFINE_bool("native", OPTIONS["native"],
+                    "also time native=True (CPU kernels; --native=0: portable vs flashbax)")
+  flags.DEFINE_string("platform", OPTIONS["platform"],
+                      "cpu, gpu or tpu ('': JAX's default backend)")
+  app.run(main)
