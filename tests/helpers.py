@@ -92,3 +92,15 @@ def host_sample(spec: fr.TableSpec):
   ``packed``) as the host ``Table`` runs it (host/programs.py); the pure
   ``make_table(spec).sample`` does not take them."""
   return functools.partial(sampling.sample, spec, native=executor.choose(None))
+
+
+def assert_bit_identical(a, b, what):
+  """``a`` and ``b`` (pytrees) have the same structure, and every leaf the same dtype, shape
+  and bytes (NaN payloads and -0.0 included): the executors' and storages' oracle."""
+  la, lb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)
+  assert len(la) == len(lb), what
+  for (path, x), y in zip(la, lb):
+    x, y = np.atleast_1d(np.asarray(x)), np.atleast_1d(np.asarray(y))
+    assert x.dtype == y.dtype and x.shape == y.shape, (what, jax.tree_util.keystr(path))
+    assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), (
+        what, jax.tree_util.keystr(path), x, y)

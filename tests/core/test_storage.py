@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import funcreplay as fr
 from funcreplay import checkpoint
 from funcreplay.core import hlo, storage
-from tests.helpers import ITEM
+from tests.helpers import ITEM, assert_bit_identical
 
 CAP = 16
 # Scalars, vectors and a matrix of every 4-byte kind, in a nested tree.
@@ -89,18 +89,10 @@ def _programs(i, storage_kind, native):
   return got
 
 
-def _same(a, b, what):
-  la, lb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)
-  assert len(la) == len(lb), what
-  for (path, x), y in zip(la, lb):
-    x, y = np.atleast_1d(np.asarray(x)), np.atleast_1d(np.asarray(y))
-    assert x.dtype == y.dtype and x.shape == y.shape, (what, jax.tree_util.keystr(path))
-    assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), (what, jax.tree_util.keystr(path))
-
-
 def _same_state(pa, sa, pb, sb, what):
-  _same(sa.replace(data=()), sb.replace(data=()), what)
-  _same(fr.stored_items(pa["spec"], sa), fr.stored_items(pb["spec"], sb), what + " items")
+  assert_bit_identical(sa.replace(data=()), sb.replace(data=()), what)
+  assert_bit_identical(fr.stored_items(pa["spec"], sa), fr.stored_items(pb["spec"], sb),
+                       what + " items")
 
 
 @pytest.mark.parametrize("native", [False, True])
@@ -126,7 +118,7 @@ def test_rows_and_columns_give_the_same_batches_and_states(native, spec_i, ops):
       replace = op == "replace" and not isinstance(rows["spec"].sampler, fr.MaxHeap)
       outs = [p["sample"](s, jax.random.PRNGKey(r), batch_size=b, version=1, replace=replace)
               for p, s in zip((rows, cols), states)]
-      _same(outs[0][1], outs[1][1], f"step {step} batch")
+      assert_bit_identical(outs[0][1], outs[1][1], f"step {step} batch")
       states = [o[0] for o in outs]
     else:
       slots = jnp.asarray(rs.integers(0, CAP, 2), jnp.int32)
@@ -151,7 +143,7 @@ def test_checkpoints_store_columns_and_restore_into_either_storage(tmp_path):
                                       version=1)[1]
       _same_state(q, restored, p, s, f"{kind} -> {into}")
   for k, v in got.items():
-    _same(v, got[("rows", "rows")], str(k))
+    assert_bit_identical(v, got[("rows", "rows")], str(k))
 
 
 def test_host_table_samples_the_same_from_rows_and_columns():
@@ -161,7 +153,7 @@ def test_host_table_samples_the_same_from_rows_and_columns():
     t.insert(_wide_items(np.arange(40)))
     outs.append([t.sample(8) for _ in range(3)] + [t.sample_packed(8).numpy()])
   for a, b in zip(*outs):
-    _same(a, b, "host sample")
+    assert_bit_identical(a, b, "host sample")
 
 
 def test_rows_read_an_item_with_one_gather():

@@ -25,7 +25,7 @@ import funcreplay as fr
 from funcreplay import checkpoint
 from funcreplay.core.sampling import exact
 from funcreplay.native import build
-from tests.helpers import ITEM, items_from_ids, require_native_kernels
+from tests.helpers import ITEM, assert_bit_identical, items_from_ids, require_native_kernels
 
 CAP = 16
 
@@ -116,16 +116,6 @@ def _programs(i, native):
   return got
 
 
-def _assert_identical(a, b, what):
-  la, lb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)
-  assert len(la) == len(lb), what
-  for (path, x), y in zip(la, lb):
-    x, y = np.atleast_1d(np.asarray(x)), np.atleast_1d(np.asarray(y))
-    assert x.dtype == y.dtype and x.shape == y.shape, (what, jax.tree_util.keystr(path))
-    assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), (
-        what, jax.tree_util.keystr(path), x, y)
-
-
 OPS = st.lists(st.tuples(
     st.sampled_from(["insert", "sample", "sample", "replace", "where", "prio", "delete",
                      "version"]),
@@ -156,7 +146,7 @@ def test_native_and_portable_are_bit_identical(spec_i, ops):
       ver = version if (spec.max_staleness is not None or rs.random() < 0.5) else None
       outs = [p["sample"](s, jax.random.PRNGKey(r), batch_size=b, version=ver, where=where,
                           replace=op == "replace") for p, s in zip((nat, por), states)]
-      _assert_identical(outs[0][1], outs[1][1], f"step {step} {op} batch")
+      assert_bit_identical(outs[0][1], outs[1][1], f"step {step} {op} batch")
       states = [o[0] for o in outs]
       if spec.prioritized and rs.random() < 0.5:  # write back new priorities for the batch
         info = outs[0][1].info
@@ -171,7 +161,7 @@ def test_native_and_portable_are_bit_identical(spec_i, ops):
       states = [p["delete"](s, slots, s.key[slots]) for p, s in zip((nat, por), states)]
     else:
       version += int(rs.integers(1, 3))
-    _assert_identical(states[0], states[1], f"step {step} {op} state")
+    assert_bit_identical(states[0], states[1], f"step {step} {op} state")
 
 
 @pytest.mark.parametrize("spec_i", [2, 5])
@@ -191,7 +181,7 @@ def test_same_key_same_batch_after_checkpoint_on_both_executors(tmp_path, spec_i
                                              version=4)
   want = batches[(True, "before")]
   for k, got in batches.items():
-    _assert_identical(got, want, f"{k}")
+    assert_bit_identical(got, want, f"{k}")
 
 
 def test_non_threefry_keys_run_the_portable_program():
@@ -204,4 +194,4 @@ def test_non_threefry_keys_run_the_portable_program():
     s = t.insert(t.init(), items_from_ids(np.arange(10)))
     outs.append(jax.jit(lambda s, k, t=t: t.sample(s, k, batch_size=4))(
         s, jax.random.key(3, impl="rbg")))
-  _assert_identical(outs[0], outs[1], "rbg key")
+  assert_bit_identical(outs[0], outs[1], "rbg key")
