@@ -111,12 +111,7 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     return state.replace(counters=c, max_priority=max_p)
 
   native = executor.check(native, "insert")
-  # One row into the ring: the lean program (a few in-place slice updates) beats the
-  # kernel's call, whose operands XLA first packs into fresh buffers (measured in a
-  # 1000-step lax.scan: 0.87 us per step portable, 1.15 us native; flashbax 0.63 us).
-  # Both executors give the same state bit for bit, so this picks the faster one.
-  lean_one = b == 1 and insert_lean.applies(spec, mask=None if all_rows else mask)
-  if native and not lean_one and native.supports_insert(spec) and native.available():
+  if native and native.supports_insert(spec) and native.available():
     return lax.platform_dependent(
         state, cpu=lambda st: native.insert(spec, st, items, mask, versions, prios,
                                             meta_rows, n_bad),
