@@ -44,7 +44,7 @@ class GroupStats:
   partial: int = 0        # groups inserted at their timeout, masked
   failed: int = 0         # groups whose insert raised (the caller got the error): not stored
   late: int = 0           # responses refused: their group was already inserted (or failed)
-  pending: int = 0        # groups still collecting
+  pending: int = 0        # groups not stored yet: collecting, or being inserted
   # Every group begun is in exactly one of complete, partial, failed, pending.
 
 
@@ -133,6 +133,7 @@ class GroupWriter:
     self._groups: Dict[Hashable, _Group] = {}
     self._recent: collections.OrderedDict = collections.OrderedDict()
     self._stats = GroupStats()
+    self._inserting = 0  # groups taken out of _groups whose insert has not ended
     self._lock = threading.Lock()
     self._error: Optional[BaseException] = None
     self._closed = threading.Event()
@@ -211,11 +212,12 @@ class GroupWriter:
 
   def stats(self) -> GroupStats:
     with self._lock:
-      return dataclasses.replace(self._stats, pending=len(self._groups))
+      return dataclasses.replace(self._stats, pending=len(self._groups) + self._inserting)
 
   # -- internals ------------------------------------------------------------------------
   def _finish_locked(self, group_id) -> _Group:
     grp = self._groups.pop(group_id)
+    self._inserting += 1  # still pending until its insert ends (``_insert``)
     self._recent[group_id] = None
     if len(self._recent) > RECENT:
       self._recent.popitem(last=False)
@@ -235,9 +237,11 @@ class GroupWriter:
       # The group has left ``_groups`` (its id is in ``_recent``): count it, so that
       # complete + partial + failed + pending accounts for every group begun.
       with self._lock:
+        self._inserting -= 1
         self._stats.failed += 1
       raise
     with self._lock:
+      self._inserting -= 1
       if complete:
         self._stats.complete += 1
       else:
