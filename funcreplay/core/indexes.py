@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay.core import inplace, numerics, ordering, staleness, trees
+from funcreplay.core import inplace, ordering, powers, staleness, trees
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
 
 def sample_weight(spec: TableSpec, occupied, priority):
-  """Sampling weight of a slot for the prioritized sampler: ``p**alpha`` (0 if free)."""
-  alpha = spec.sampler.priority_exponent
-  w = jnp.where(priority > 0, jnp.power(jnp.maximum(priority, numerics.TINY), alpha), 0.0)
+  """Sampling weight of a slot for the prioritized sampler: ``p**alpha`` (0 if free or
+  ``p <= 0``), by ``powers.power``: the same bits on every backend and in the kernels."""
+  w = powers.power(priority, spec.sampler.priority_exponent)
   return jnp.where(occupied, w, 0.0).astype(jnp.float32)
 
 

@@ -30,6 +30,8 @@ import dataclasses
 import math
 from typing import Union
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class Uniform:
@@ -49,10 +51,13 @@ class Prioritized:
 
   def __post_init__(self):
     a = self.priority_exponent
-    if not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0:
+    # 2**15: powers.MAX_EXPONENT (the integer p**alpha; above it p**alpha is 0 or inf for
+    # every float32 p outside [0.9973, 1.0027]). Checked as float32, the value used.
+    if (not isinstance(a, (int, float)) or not math.isfinite(a)
+        or not (0 <= a < 2.0**15 and float(np.float32(a)) < 2.0**15)):
       raise ValueError(
           f"Prioritized(priority_exponent={a!r}): the exponent must be a "
-          "finite number >= 0 (0.6 is the usual choice).")
+          "number in [0, 32768) (0.6 is the usual choice).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import indexes, numerics, ops, sampling
+from funcreplay.core import fixedpoint, indexes, numerics, ops, sampling
 from funcreplay.core import selectors as sel
 from funcreplay.core.state import TableState
 from funcreplay.distributed import local_ops
@@ -118,7 +118,7 @@ def sample_global(ctx, state: TableState, rng, *, batch_size: int, version=None,
       keep = valid & (t <= limit)
 
     g_total = jnp.sum(totals)
-    prob = w_item / jnp.maximum(g_total, numerics.TINY)
+    prob = fixedpoint.divide(w_item, jnp.maximum(g_total, numerics.TINY))
     st = st.replace(**{("weight_tree" if spec.prioritized else "occ_tree"): tree})
     st, out = sampling.finish(
         lspec, st, jnp.where(keep, picked, -1), prob, lax.psum(n_elig, axis), ver, replace)

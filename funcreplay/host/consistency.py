@@ -47,8 +47,11 @@ from funcreplay.core import counters as ctr
 from funcreplay.core import indexes, staleness
 from funcreplay.core.spec import TableSpec
 
-# Leaves of the weight tree are ``pow`` in float32 by XLA or the native kernels; the two
-# may differ in the last bits. Relative tolerance of a few ulp (2**-23 each).
+_sample_weight = jax.jit(indexes.sample_weight, static_argnums=0)
+
+# Leaves of the weight tree are ``core.powers.power`` (the same bits in XLA on every backend
+# and in the native kernels); a state built before it (libm's or XLA's ``pow``) may differ
+# in the last bits. Relative tolerance of a few ulp (2**-23 each).
 _POW_RTOL = 8 * 2.0**-23
 _REMOVED = ("deletes", "evicted_capacity", "evicted_stale", "evicted_reuse")
 
@@ -165,9 +168,10 @@ def check_state(spec: TableSpec, state) -> None:
   if bad.any():
     _fail("priority", f"slot {_first(bad)} holds {prio[_first(bad)]!r}")
   if spec.prioritized:
-    # The table's own rule for a slot's weight (one eager O(C) pass), so the check
-    # follows it (e.g. how zero priorities weigh).
-    w = np.asarray(indexes.sample_weight(spec, occ, prio), np.float32)
+    # The table's own rule for a slot's weight (one jitted O(C) pass: the integer
+    # p**alpha is ~100 operations, slow eagerly), so the check follows it (e.g. how zero
+    # priorities weigh).
+    w = np.asarray(_sample_weight(spec, occ, prio), np.float32)
     _check_sum_tree("weight_tree", np.asarray(state.weight_tree),
                     np.concatenate([w, np.zeros(p - c, np.float32)]), exact=False)
   if spec.needs_remover_tree:

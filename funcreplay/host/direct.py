@@ -26,14 +26,13 @@ sampler with ``max_staleness`` included: its eligible weight is the root of
 the masked sum tree, which the C++ prologue builds exactly as the portable
 program does). Where it applies, ``update_priorities``
 runs in place too (``RunUpdatePriorities``, the jitted update's kernel, with
-``priority**alpha`` from libm's ``powf``, which XLA:CPU calls for ``pow``):
+``priority**alpha`` computed by powers.h: the integer steps and tables of
+``core.powers``, so the weights are the jitted program's bits for every exponent):
 the jitted update cost ~130 us of validation and dispatch, and the next
 direct sample then waited ~80 us for it (thread hand-off); in place it is
 ~40 us in all. A call with a denormal priority still takes the jitted path
-(XLA treats denormal inputs one way or the other depending on the program),
-and so does every update of a table whose ``alpha`` is a whole number >= 2
-or 0.5 (JAX / XLA compute those powers by multiplication or a square root,
-not ``powf``).
+(the sanitizing comparisons around the weight are float comparisons, which a
+flush-to-zero mode may read as 0).
 """
 
 from __future__ import annotations
@@ -45,11 +44,11 @@ import jax
 import numpy as np
 
 from funcreplay import native as native_lib
-from funcreplay.core import packing
+from funcreplay.core import packing, powers
 from funcreplay.core.spec import TableSpec
 from funcreplay.native import build
 
-_ABI_VERSION = 5  # direct.cc's kAbiVersion
+_ABI_VERSION = 6  # direct.cc's kAbiVersion
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -71,9 +70,10 @@ class SampleArgs(ctypes.Structure):
 class UpdateArgs(ctypes.Structure):
   """``funcreplay_direct_update_priorities``'s argument (direct.cc ``FR_UPDATE_FIELDS``)."""
   _fields_ = [("abi", _I64), ("capacity", _I64), ("tree_nodes", _I64), ("alpha_bits", _I64),
-              ("ledger_words", _I64), ("ledger_layout", _PTR), ("k", _I64), ("slots", _PTR),
-              ("row_keys", _PTR), ("priorities", _PTR), ("occupied", _PTR), ("keys", _PTR),
-              ("priority", _PTR), ("weight_tree", _PTR), ("occ_tree", _PTR), ("ledger", _PTR)]
+              ("pow_words", _PTR), ("ledger_words", _I64), ("ledger_layout", _PTR), ("k", _I64),
+              ("slots", _PTR), ("row_keys", _PTR), ("priorities", _PTR), ("occupied", _PTR),
+              ("keys", _PTR), ("priority", _PTR), ("weight_tree", _PTR), ("occ_tree", _PTR),
+              ("ledger", _PTR)]
 
 
 _ERRORS = {1: "the Python and C++ sides disagree on the ABI version (rebuild the kernels)",
@@ -184,15 +184,12 @@ class DirectSampler:
     u.capacity = spec.capacity
     u.ledger_layout = self._ledger_layout.ctypes.data
     self._update_at = ctypes.addressof(u)
-    # Whether update_priorities may run here: XLA:CPU computes p**alpha with libm's powf,
-    # except for a whole-number alpha >= 2, which JAX turns into multiplications, and
-    # alpha 0.5, which XLA turns into a square root (each an ulp away from powf on some
-    # inputs): those tables update through the jitted path.
-    self.updates_in_place = True
     if spec.prioritized:  # indexes.sample_weight: alpha as a float32 constant
-      alpha = spec.sampler.priority_exponent
-      u.alpha_bits = int(np.float32(alpha).view(np.uint32))
-      self.updates_in_place = not ((alpha >= 2 and float(alpha).is_integer()) or alpha == 0.5)
+      u.alpha_bits = int(np.float32(spec.sampler.priority_exponent).view(np.uint32))
+      c = powers.constants()  # powers.h's kPowWords layout
+      self._pow_words = np.concatenate([c["tables"].ravel(), np.array(
+          [c["inv_ln2"], c["ln2"], c["third"], c["sixth"]], np.uint32)])
+      u.pow_words = self._pow_words.ctypes.data
 
   def layout(self, rows: int) -> packing.PackedLayout:
     return packing.layout(self.spec.signature, rows)
@@ -264,8 +261,8 @@ class DirectSampler:
                         priorities: np.ndarray) -> None:
     """``update_priorities`` on the bound state, in place: ``slots`` int32[K], ``keys``
     uint32[K], ``priorities`` float32[K] (as given), each C-contiguous (the caller made
-    them so). The weight tree gets ``priority**alpha`` from libm's ``powf``, as XLA:CPU
-    computes it in the jitted update (callers check ``updates_in_place`` first)."""
+    them so). The weight tree gets ``priority**alpha`` by powers.h, the bits the jitted
+    update computes (``core.powers``)."""
     u = self._update
     u.slots = slots.ctypes.data
     u.row_keys = keys.ctypes.data

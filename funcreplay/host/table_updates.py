@@ -57,7 +57,7 @@ class UpdatesMixin:
       direct = self._direct_sampler()
       # In place, like a direct sample (funcreplay.host.direct); a denormal priority
       # goes through XLA, whose treatment of one the direct path does not reproduce.
-      if direct is not None and direct.updates_in_place and not _has_denormal(p, s >= 0):
+      if direct is not None and not _has_denormal(p, s >= 0):
         self._check_open("update_priorities")
         self._settle(direct)
         direct.update_priorities(s, k, p)

@@ -187,11 +187,11 @@ def test_direct_packed_bytes_match_sample():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.6, 1.0, 1.7, 2.0])
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5, 0.6, 1.0, 1.7, 2.0, 3.0])
 def test_direct_priority_update_matches_jitted_bit_for_bit(alpha, monkeypatch):
-  """The direct update computes priority**alpha with libm's powf, the jitted one in XLA:
-  the weight trees (and the rest of the state) must agree to the bit. A whole-number
-  alpha >= 2 (a product in XLA, not powf) always takes the jitted path."""
+  """The direct update computes priority**alpha in C++ (powers.h), the jitted one in XLA
+  (core.powers): the weight trees (and the rest of the state) must agree to the bit, for
+  every exponent (0.5 and whole numbers included: no exponent takes the jitted path)."""
   require_native_kernels()
   spec = fr.TableSpec(64, _item(), sampler=fr.Prioritized(alpha), remover=fr.Uniform())
   direct, ref = fr.Table(spec, seed=5), fr.Table(spec, seed=5)
@@ -219,8 +219,6 @@ def test_direct_priority_update_matches_jitted_bit_for_bit(alpha, monkeypatch):
     if r % 2 and (slots >= 0).any():
       p[np.argmax(slots >= 0)] = 1e-45
       denormal_rounds.append("update_priorities")
-    elif (alpha >= 2 and float(alpha).is_integer()) or alpha == 0.5:
-      denormal_rounds.append("update_priorities")  # every update: the jitted path
     for t in (direct, ref):
       t.update_priorities(slots, row_keys, p)
     _assert_same_state(direct, ref)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import indexes, staleness, storage, trees
+from funcreplay.core import indexes, powers, staleness, storage, trees
 from funcreplay.core import ledger_update as ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
@@ -119,9 +119,10 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     # Keep the zero-weight count (occ_tree[0], see indexes.zero_weight_count) in step. The
     # victims' old weights come from their priority column (a read of the weight tree would
     # make XLA copy the tree); the priority write below is ordered after that read.
-    old_w = indexes.sample_weight(spec, old_occ, _take(state.priority, slots))
+    # (powers.positive: no power computed for alpha <= 1.)
+    old_zero = ~powers.positive(_take(state.priority, slots), spec.sampler.priority_exponent)
     zero_delta = (jnp.sum(w <= 0, dtype=jnp.int32)
-                  - jnp.sum(old_occ & (old_w <= 0), dtype=jnp.int32))
+                  - jnp.sum(old_occ & old_zero, dtype=jnp.int32))
     # A two-index scatter (the second out of range, dropped): a one-index one becomes a
     # dynamic-update-slice that XLA fuses into later reads, copying the tree (indexes.refresh).
     occ_tree = occ_tree.at[jnp.array([0, 2 * spec.tree_size])].add(

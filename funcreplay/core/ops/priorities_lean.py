@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay.core import bits, indexes, inplace, trees
+from funcreplay.core import bits, indexes, inplace, powers, trees
 from funcreplay.core import counters as ctr
 from funcreplay.core.inplace import after, materialize
 from funcreplay.core.spec import TableSpec
@@ -68,9 +68,9 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
     # A real gather even for K = 1 (a one-row read is a dynamic slice that XLA re-fuses into
     # every consumer, each a read the ordering below does not cover; see ops.take).
     old_p = state.priority[jnp.concatenate([safe, safe])][:k] if k == 1 else state.priority[safe]
-    old_w = indexes.sample_weight(spec, jnp.ones((k,), bool), old_p)
+    old_zero = ~powers.positive(old_p, spec.sampler.priority_exponent)  # no power, alpha <= 1
     delta = (jnp.sum(win & (w <= 0), dtype=jnp.int32)
-             - jnp.sum(win & (old_w <= 0), dtype=jnp.int32))
+             - jnp.sum(win & old_zero, dtype=jnp.int32))
     # A two-index scatter (the second out of range, dropped): a one-index one becomes a
     # dynamic-update-slice that XLA fuses into later reads, copying the tree (indexes.refresh).
     occ_tree = occ_tree.at[jnp.array([0, 2 * spec.tree_size])].add(

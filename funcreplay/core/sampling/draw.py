@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import indexes, inplace, trees
+from funcreplay.core import fixedpoint, indexes, inplace, trees
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -247,7 +247,8 @@ def draw_stratified(spec, state, rng, batch_size):
   """One draw per equal-mass stratum of the weight tree, rows in random order."""
   w = Weights(spec, state)
   k1, k2 = jax.random.split(rng)
-  u = (jnp.arange(batch_size) + jax.random.uniform(k1, (batch_size,))) / batch_size
+  u = fixedpoint.divide(jnp.arange(batch_size) + jax.random.uniform(k1, (batch_size,)),
+                        float(batch_size))  # the same bits on every backend
   slots = w.draw(w.tree, jnp.minimum(u, 1.0 - 1e-7))
   # Rows in random order: a slot-sorted batch biases consumers that split it.
   slots = jax.random.permutation(k2, slots)

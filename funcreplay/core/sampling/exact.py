@@ -147,8 +147,13 @@ def successive(tree, rng, b: int, replace: bool, n_max: int):
   m = b if replace else candidates_per_round(b)
   total = tree[1]
   hi, _ = bits.words(rng, m)
+  # The targets on their own (materialized): fused into the descent's first subtraction,
+  # ``u * total - left`` may become one fused multiply-add on a GPU (one rounding, not two),
+  # and the same key would descend differently there.
+  targets = lax.bitcast_convert_type(inplace.materialize(
+      lax.bitcast_convert_type(_uniform24(hi) * total, jnp.int32)), jnp.float32)
   # Bit for bit trees.descend_weight, 2 levels per step (faster in a scan).
-  d = trees.descend_weight_blocked(tree, _uniform24(hi) * total, inplace.materialize)
+  d = trees.descend_weight_blocked(tree, targets, inplace.materialize)
   alive = total > 0
   if replace:
     return jnp.where(alive, d, -1)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay.core import indexes, inplace, numerics, trees
+from funcreplay.core import fixedpoint, indexes, inplace, numerics, trees
 from funcreplay.core import selectors as sel
 from funcreplay.core.sampling import exact
 from funcreplay.core.sampling import uniform_lean as uniform
@@ -66,9 +66,8 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   # The stored weight (the leaf the draw saw): a native kernel reproduces a read, not
   # XLA's pow (exact.py; for a consistent table it is the same value).
   w_item = trees.leaf_values(tree, slot)
-  # w * (1 / total), spelled out: XLA rewrites a division by a broadcast scalar into this
-  # form anyway, and the native kernel reproduces it only when it is the written one.
-  prob = w_item * (1.0 / jnp.maximum(total, numerics.TINY))
+  # Correctly rounded from integers (fixedpoint.divide; XLA:GPU's float division is not).
+  prob = fixedpoint.divide(w_item, jnp.maximum(total, numerics.TINY))
   # Eligible = occupied with a positive weight (zero-weight items are never drawn).
   # occ_tree's root (size) and node 0 (the zero-weight count) are read once (inplace.once)
   # so the flag below orders them before a later update_priorities' write of the count

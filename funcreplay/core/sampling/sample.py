@@ -21,7 +21,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import executor, indexes, inplace, numerics, ops, ordering, packing, storage
+from funcreplay.core import (
+  executor,
+  fixedpoint,
+  indexes,
+  inplace,
+  numerics,
+  ops,
+  ordering,
+  packing,
+  storage,
+)
 from funcreplay.core import selectors as sel
 from funcreplay.core.sampling import exact, prioritized_lean, uniform_lean
 from funcreplay.core.sampling.draw import Weights as _Weights
@@ -208,12 +218,13 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
       # reproduces a read, not XLA's pow.
       w_item = ops.take(state.weight_tree, spec.tree_size + safe)  # a real gather at B = 1
       num_eligible = jnp.sum(mask, dtype=jnp.int32) if masked else size0 - zero0
-      # w * (1 / total), spelled out: XLA rewrites a division by a broadcast scalar into
-      # this form anyway, and a kernel reproduces it only when it is the written one.
-      prob = w_item * (1.0 / jnp.maximum(total, numerics.TINY))
+      # Correctly rounded from integers (fixedpoint.divide): XLA:GPU's float division is
+      # not; the kernels' IEEE ``/`` gives the same bits.
+      prob = fixedpoint.divide(w_item, jnp.maximum(total, numerics.TINY))
     else:
       num_eligible = ops.count(spec, state, where, ver, size=size0)
-      prob = jnp.full((b,), 1.0, jnp.float32) / jnp.maximum(num_eligible, 1).astype(jnp.float32)
+      prob = jnp.broadcast_to(
+          fixedpoint.divide(1.0, jnp.maximum(num_eligible, 1).astype(jnp.float32)), (b,))
     tree_field = "weight_tree" if spec.prioritized else "occ_tree"
     # _finish writes occupied (and the trees): order the reads so far (draws,
     # fallback, counts, totals) before those writes.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay.core import inplace, numerics, trees
+from funcreplay.core import fixedpoint, inplace, numerics, powers, trees
 from funcreplay.core.sampling import exact
 from funcreplay.core.trajectory.spec import TrajectorySpec
 from funcreplay.core.trajectory.state import TrajectoryState
@@ -31,10 +31,8 @@ _U24 = 2.0**-24  # resolution of a float32 uniform in [0, 1) from 24 random bits
 
 
 def window_weight(spec: TrajectorySpec, priority):
-  """float32[...]: ``priority**alpha`` (0 for a priority <= 0)."""
-  alpha = spec.sampler.priority_exponent
-  w = jnp.where(priority > 0, jnp.power(jnp.maximum(priority, numerics.TINY), alpha), 0.0)
-  return w.astype(jnp.float32)
+  """float32[...]: ``priority**alpha`` (0 for a priority <= 0; ``powers.power``)."""
+  return powers.power(priority, spec.sampler.priority_exponent)
 
 
 def refresh(tree, positive, w, values, valid):
@@ -66,5 +64,5 @@ def draw(spec: TrajectorySpec, state: TrajectoryState, rng, b: int, replace: boo
   picked = jnp.where(picked >= 0, jnp.minimum(picked, spec.num_windows - 1), -1)
   valid = picked >= 0
   w = jnp.maximum(picked, 0)
-  prob = trees.leaf_values(tree, w) / jnp.maximum(total, numerics.TINY)
+  prob = fixedpoint.divide(trees.leaf_values(tree, w), jnp.maximum(total, numerics.TINY))
   return w, valid, state.positive, prob

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import bits, inplace, numerics, staleness, trees
+from funcreplay.core import bits, fixedpoint, inplace, numerics, staleness, trees
 from funcreplay.core import counters as ctr
 from funcreplay.core.inplace import materialize
 from funcreplay.core.sampling import exact
@@ -138,7 +138,7 @@ def _prioritized(spec, state, rng, b, replace, ok):
     pad = b - k
     slot = jnp.concatenate([top, jnp.zeros((pad,), jnp.int32)])
     valid = jnp.concatenate([jnp.isfinite(vals), jnp.zeros((pad,), bool)])
-  prob = w[slot] / jnp.maximum(total, numerics.TINY)
+  prob = fixedpoint.divide(w[slot], jnp.maximum(total, numerics.TINY))
   return slot, valid, n, prob
 
 
@@ -187,7 +187,7 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
   else:
     w, valid, n = _closed_form(spec, state, rng, b, replace)
   if prob is None:
-    prob = jnp.full((b,), 1.0, jnp.float32) / jnp.maximum(n, 1).astype(jnp.float32)
+    prob = jnp.broadcast_to(fixedpoint.divide(1.0, jnp.maximum(n, 1).astype(jnp.float32)), (b,))
   # Materialized: XLA:CPU would otherwise fuse the whole draw (random words, prefix sums,
   # descents) into the data gather and recompute it for every gathered element
   # (``inplace.materialize``; 1.3x the step time of the closed form here).

@@ -13,12 +13,9 @@
 // limiter and min_valid checks, and the key advance, bit for bit; then it runs
 // ``RunSample`` (sample_core.h), the very code the FFI handler runs. A
 // priority update likewise runs ``RunUpdatePriorities`` (priorities_core.h),
-// after computing the weights priority**alpha that the jitted program
-// computes in XLA: for a non-integer exponent XLA:CPU's float32 ``pow``
-// agreed with libm's ``powf`` on every value tried (numpy's vectorised power
-// differs on ~20% of them by an ulp), so this file calls ``powf``. A
-// whole-number exponent >= 2 JAX computes by multiplication, and 0.5 XLA by
-// a square root: such tables do not update here (direct.py).
+// after computing the weights priority**alpha as the jitted program does: in
+// integer arithmetic (powers.h, the steps of funcreplay/core/powers.py, with
+// its tables), so for every exponent the bits are the program's.
 // tests/host/test_direct.py compares the trees bit for bit over many priorities
 // and exponents.
 // funcreplay/native/direct.py is the Python side and says when this applies.
@@ -36,6 +33,7 @@
 #endif
 
 #include "common.h"
+#include "powers.h"
 #include "priorities_core.h"
 #include "sample_core.h"
 
@@ -90,6 +88,7 @@ namespace {
   X(int64_t, capacity)         /* C slots */                                    \
   X(int64_t, tree_nodes)       /* 2P nodes of the weight tree (0: uniform) */   \
   X(int64_t, alpha_bits)       /* float32 bits of the priority exponent */      \
+  X(const uint32_t*, pow_words) /* uint32[kPowWords]: powers.constants() */     \
   X(int64_t, ledger_words)     /* words of the ledger */                        \
   X(const int64_t*, ledger_layout) /* [kLNumEntries + 3] */                     \
   X(int64_t, k)                /* rows */                                       \
@@ -108,7 +107,7 @@ struct DirectSample { FR_SAMPLE_FIELDS(FR_DECLARE) };
 struct DirectUpdate { FR_UPDATE_FIELDS(FR_DECLARE) };
 #undef FR_DECLARE
 
-constexpr int64_t kAbiVersion = 5;
+constexpr int64_t kAbiVersion = 6;
 
 // "name:offset:size;..." then "sizeof:N".
 #define FR_DESCRIBE(type, name)                                                  \
@@ -254,21 +253,16 @@ extern "C" int funcreplay_direct_update_priorities(const DirectUpdate* cfg_ptr) 
   std::vector<float> weights;
   if (cfg.tree_nodes > 0) {
     // The jitted update's weights (native/priorities.py): the sanitized
-    // priority, then indexes.sample_weight, where(p > 0, pow(max(p, 1e-30),
-    // alpha), 0) in float32. XLA:CPU calls libm's powf for that pow (not for
-    // alpha 0.5 or a whole number >= 2: direct.py keeps those off this path)
-    // and flushes denormal results to zero; denormal inputs it treats one way
-    // or the other depending on the surrounding program, so Table sends calls
-    // with a denormal priority to the jitted update instead.
+    // priority, then indexes.sample_weight (powers.power). Table still sends
+    // calls with a denormal priority to the jitted update (direct.py).
     float alpha;
     const uint32_t bits = static_cast<uint32_t>(cfg.alpha_bits);
     std::memcpy(&alpha, &bits, sizeof alpha);
+    const PowParams pow = MakePowParams(cfg.pow_words, alpha);
     weights.resize(static_cast<size_t>(k));
     for (int64_t i = 0; i < k; ++i) {
       const float x = job.priorities[i];
-      const float clean = BadPriority(x) ? 0.0f : x;
-      const float w = clean > 0.0f ? ::powf(std::max(clean, 1e-30f), alpha) : 0.0f;
-      weights[i] = w < std::numeric_limits<float>::min() ? 0.0f : w;
+      weights[i] = PowerWeight(BadPriority(x) ? 0.0f : x, pow);
     }
     job.weights = weights.data();
     job.wtree = static_cast<float*>(cfg.weight_tree);
@@ -284,6 +278,21 @@ extern "C" int funcreplay_direct_update_priorities(const DirectUpdate* cfg_ptr) 
 extern "C" void funcreplay_stream_words(uint32_t k0, uint32_t k1, uint32_t stream, int64_t n,
                                         uint32_t* hi, uint32_t* lo) {
   StreamWords(k0, k1, stream, n, n, hi, lo);
+}
+
+// Test hooks (tests/native/test_native_identity.py): the integer p**alpha and division,
+// to check them against core.powers / core.fixedpoint over many inputs.
+extern "C" void funcreplay_power_weights(const uint32_t* pow_words, float alpha, int64_t n,
+                                         const float* in, float* out) {
+  const PowParams pow = MakePowParams(pow_words, alpha);
+  for (int64_t i = 0; i < n; ++i) out[i] = PowerWeight(in[i], pow);
+}
+
+extern "C" void funcreplay_divide_exact(int64_t n, const float* num, const float* den,
+                                        float* out, int32_t long_division) {
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = long_division ? DivideLong(num[i], den[i]) : DivideExact(num[i], den[i]);
+  }
 }
 
 extern "C" void funcreplay_split_key(uint32_t k0, uint32_t k1, uint32_t* out) {

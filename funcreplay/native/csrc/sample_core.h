@@ -17,6 +17,7 @@
 
 #include "common.h"
 #include "draw.h"
+#include "fixedpoint.h"
 #include "random.h"
 #include "rows.h"
 
@@ -212,9 +213,10 @@ inline int64_t RunSample(SampleJob& job) {
   int32_t* times = job.times;
   const size_t n_data = job.src.size();
   for (int64_t i = 0; i < n; ++i) ++times[picked[i]];
-  const float uniform_prob = 1.0f / static_cast<float>(std::max<int32_t>(job.num_eligible, 1));
-  // w * (1 / total), as the portable programs write it (XLA rewrites w / total so too).
-  const float inv_total = 1.0f / std::max(total, kTiny);
+  const float uniform_prob =
+      DivideExact(1.0f, static_cast<float>(std::max<int32_t>(job.num_eligible, 1)));
+  // w / total as fixedpoint.divide computes it (fixedpoint.h).
+  const float safe_total = std::max(total, kTiny);
   uint64_t stale_sum = 0;
   auto prefetch_row = [&](int64_t i) {
     if (i >= n) return;
@@ -240,7 +242,8 @@ inline int64_t RunSample(SampleJob& job) {
       job.out_valid[i] = true;
       job.out_slot[i] = s;
       job.out_key[i] = job.keys[s];
-      job.out_prob[i] = job.wtree != nullptr ? job.wtree[p + s] * inv_total : uniform_prob;
+      job.out_prob[i] = job.wtree != nullptr ? DivideExact(job.wtree[p + s], safe_total)
+                                             : uniform_prob;
       job.out_prio[i] = job.priority[s];
       job.out_times[i] = times[s];
       job.out_version[i] = job.versions[s];

@@ -1,0 +1,100 @@
+"""``core.powers.power``: ``p**alpha`` in integer arithmetic (the same bits on every backend).
+
+Accuracy against float64 over every binade of float32, the edge inputs (zeros, negatives,
+denormals, TINY, inf, NaN), exactness of alpha 0 and 1, monotonicity, and the exponent
+range. Bit-equality with the C++ copy (native/csrc/powers.h) is checked through the direct
+priority update (tests/host/test_direct.py), and CPU vs GPU by tests/core/test_backends.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import funcreplay as fr
+from funcreplay.core import numerics, powers
+
+_TINY = np.float32(numerics.TINY)
+_F32_MIN = np.finfo(np.float32).tiny
+
+
+def _power(x, alpha):
+  return np.asarray(jax.jit(lambda p: powers.power(p, alpha))(jnp.asarray(x, jnp.float32)))
+
+
+def _floats(n, seed):
+  """float32 from TINY to the largest finite, uniform over the bit patterns (every binade)."""
+  lo = int(_TINY.view(np.uint32))
+  return np.random.default_rng(seed).integers(lo, 0x7F7FFFFF, n, dtype=np.uint32).view(
+      np.float32)
+
+
+@pytest.mark.parametrize("alpha", [1e-6, 0.01, 0.3, 0.5, 0.6, 0.7, 1.5, 2.0, 3.0, 7.25, 16.0])
+def test_within_one_ulp_of_float64(alpha):
+  x = np.concatenate([_floats(100_000, int(alpha * 1000)),
+                      np.float32([1.0, 2.0, 0.5, 1.5, 3.0, 1e-30, 3.4e38, 1.0000001])])
+  got = _power(x, alpha).astype(np.float64)
+  want = np.power(x.astype(np.float64), float(np.float32(alpha)))
+  normal = (want >= _F32_MIN) & (want <= np.finfo(np.float32).max)
+  ulp = np.spacing(want[normal].astype(np.float32)).astype(np.float64)
+  err = np.abs(got[normal] - want[normal]) / ulp
+  assert err.max() < 0.6, (alpha, err.max())  # measured 0.51-0.55: about correctly rounded
+  # Outside float32's normal range: 0 below (flushed, as XLA:CPU does), inf above.
+  assert np.all(got[want < _F32_MIN] == 0)
+  assert np.all(np.isinf(got[want > np.finfo(np.float32).max]))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_alpha_zero_and_one_are_exact(alpha):
+  x = _floats(10_000, 3)
+  want = np.ones_like(x) if alpha == 0 else x
+  np.testing.assert_array_equal(_power(x, alpha), want)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0, 2.0])
+def test_edge_inputs(alpha):
+  x = np.float32([0.0, -0.0, -1.0, -np.inf, np.inf, np.nan, 1e-45, 1e-38, 1e-31, 1e-30])
+  got = _power(x, alpha)
+  assert np.all(got[:4] == 0)  # p <= 0 (and -inf): weight 0
+  assert got[4] == (1.0 if alpha == 0 else np.inf)
+  assert np.isnan(got[5])
+  # Positive p below TINY (denormals too, compared as bits) count as TINY.
+  np.testing.assert_array_equal(got[6:], np.full(4, _power(np.float32([1e-30]), alpha)[0]))
+  if alpha <= 1:
+    assert got[6] > 0  # TINY**alpha stays a positive normal float for alpha <= 1
+
+
+@pytest.mark.parametrize("alpha", [0.4, 0.6, 2.5])
+def test_monotonic_in_the_priority(alpha):
+  x = np.sort(_floats(50_000, 7))
+  w = _power(x, alpha)
+  assert np.all(w[1:] >= w[:-1])  # (inf - inf is NaN: compare, do not subtract)
+
+
+def test_exponent_range_is_checked_up_front():
+  # 32767.9995 is below 2**15 but its float32 value (the one used) is 32768.0.
+  for bad in (-0.5, 2.0**15, 32767.9995, float("inf"), float("nan"), 1e300):
+    with pytest.raises(ValueError, match="priority_exponent"):
+      fr.Prioritized(bad)
+  with pytest.raises(ValueError, match="alpha"):
+    powers.exponent_parts(2.0**15)
+  fr.Prioritized(2.0**15 - 1)  # the largest accepted: the integer path still applies
+  w = _power(np.float32([1.0, 1.0001, 0.9999]), 2.0**15 - 1)
+  assert w[0] == 1.0 and np.isfinite(w[1]) and w[1] > 1 and 0 < w[2] < 1
+
+
+def test_tables_are_the_correctly_rounded_values():
+  c = powers.constants()
+  fresh = powers.compute_constants()  # the literals of powers_tables, recomputed
+  np.testing.assert_array_equal(c["tables"], fresh["tables"])
+  assert {k: c[k] for k in fresh if k != "tables"} == {k: fresh[k] for k in fresh
+                                                        if k != "tables"}
+  i = np.arange(1 << powers.INDEX_BITS, dtype=np.float64)
+  m = 1 + i / len(i)
+  log2_m, recip_m, exp2_j = c["tables"].astype(np.float64)
+  np.testing.assert_allclose(log2_m / 2**32, np.log2(m), rtol=0, atol=2**-32)
+  np.testing.assert_allclose(recip_m / 2**32, 1 / m, rtol=0, atol=2**-32)
+  np.testing.assert_allclose(exp2_j / 2**30, 2 ** (i / len(i)), rtol=0, atol=2**-30)
+  assert c["third"] == round(2**32 / 3) and c["sixth"] == round(2**32 / 6)
