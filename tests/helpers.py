@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import funcreplay as fr
+from funcreplay.checkpoint import record
 from funcreplay.core import counters as ctr
 from funcreplay.core import indexes, sampling
 from funcreplay.native import executor
@@ -104,3 +105,13 @@ def assert_bit_identical(a, b, what):
     assert x.dtype == y.dtype and x.shape == y.shape, (what, jax.tree_util.keystr(path))
     assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), (
         what, jax.tree_util.keystr(path), x, y)
+
+
+def assert_states_equal(spec, a, b, what):
+  """Leaf for leaf, bit for bit; the ledger unpacked, so a failure names the counter."""
+  la = jax.tree_util.tree_leaves_with_path(record.to_record(a, spec))
+  lb = jax.tree_util.tree_leaves(record.to_record(b, spec))
+  assert len(la) == len(lb)
+  for (path, x), y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
+                                  err_msg=f"{what}{jax.tree_util.keystr(path)}")

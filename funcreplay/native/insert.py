@@ -7,7 +7,7 @@ counts the overwritten items, keeps the ledger (ring position, next key,
 counters, ``max_priority``, the rate limiter's diff), the occupancy and
 weight trees and the staleness version index (in the portable order: advance the window,
 remove the overwritten items, add the new ones). The result is bit-identical
-to the portable path (tests/native/test_native.py).
+to the portable path (tests/native/test_native_insert.py).
 """
 
 from __future__ import annotations

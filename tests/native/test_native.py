@@ -2,7 +2,7 @@
 
 The sample kernel follows the portable programs' recipe bit for bit, so the
 strongest check is equality (tests/native/test_native_identity.py: hypothesis over
-specs and op sequences). Here, besides the insert / update kernels' identity:
+specs and op sequences). Here (the insert / update kernels: test_native_insert.py):
 * the bookkeeping alone: given the slots the kernel picked, the portable
   bookkeeping (``sampling.finish``: reuse counts, frees, counters, version
   index, the gathered rows and info) applied to the same state gives the
@@ -28,16 +28,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats as sstats
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from jax import lax
 
 import funcreplay as fr
 from funcreplay import native
-from funcreplay.checkpoint import record
 from funcreplay.core import indexes, ledger, ops, packing, sampling
 from funcreplay.native import sample as native_sample
-from tests.helpers import ITEM, assert_trees_consistent, items_from_ids, require_native_kernels
+from tests.helpers import (
+  ITEM,
+  assert_states_equal,
+  assert_trees_consistent,
+  items_from_ids,
+  require_native_kernels,
+)
 
 P_MIN = 1e-3  # chi-square: fixed seeds, a correct sampler fails this 0.1% of the time
 
@@ -183,16 +186,6 @@ def test_state_and_outputs_match_portable_bookkeeping(cap, filled, b, replace, m
     st = new
 
 
-def assert_states_equal(spec, a, b, what):
-  """Leaf for leaf, bit for bit; the ledger unpacked, so a failure names the counter."""
-  la = jax.tree_util.tree_leaves_with_path(record.to_record(a, spec))
-  lb = jax.tree_util.tree_leaves(record.to_record(b, spec))
-  assert len(la) == len(lb)
-  for (path, x), y in zip(la, lb):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
-                                  err_msg=f"{what}{jax.tree_util.keystr(path)}")
-
-
 def _inclusion(spec, state, n_draws, b, seed, **kw):
   t = _table(spec)
 
@@ -278,90 +271,6 @@ def test_donated_sample_updates_in_place():
            if x.shape and x.shape[0] >= 4096]
   assert before == after
   assert int(out.valid.sum()) == 64
-
-
-INSERT_SPECS = [  # every sampler, with and without staleness / metadata
-    fr.TableSpec(16, ITEM),
-    fr.TableSpec(16, ITEM, max_staleness=2, metadata=("task", "status")),
-    fr.TableSpec(16, ITEM, sampler=fr.Prioritized(0.6), max_staleness=1 << 30,
-                 max_times_sampled=2),
-    fr.TableSpec(13, ITEM, sampler=fr.MinHeap(), max_staleness=0),
-    fr.TableSpec(8, ITEM, sampler=fr.Lifo(), rate_limiter=fr.Queue(8)),
-    fr.TableSpec(16, ITEM, sampler=fr.Prioritized(0.6),
-                 rate_limiter=fr.SampleToInsertRatio(3.5, 4, (-1e6, 1e6))),
-]
-
-
-@settings(max_examples=15)
-@given(spec_i=st.integers(0, len(INSERT_SPECS) - 1),
-       ops_=st.lists(st.tuples(st.sampled_from(["insert", "insert", "delete", "evict",
-                                                "update"]),
-                               st.integers(1, 11), st.integers(0, 2**31 - 1)),
-                     min_size=1, max_size=10))
-def test_insert_and_update_are_bit_identical_to_portable(spec_i, ops_):
-  """Insert and update_priorities are deterministic: the kernels and the portable
-  path must produce the same state, leaf for leaf, over sequences that wrap the
-  ring, overwrite items and holes, use masks, any int32 versions, invalid
-  priorities, metadata, stale keys, out-of-range and duplicate slots."""
-  spec = INSERT_SPECS[spec_i]
-  nat, por = _jitted_pair(spec)
-  s_nat = s_por = nat["init"]()
-  for op, n, seed in ops_:
-    rng = np.random.default_rng(seed)
-    if op == "insert":
-      b = min(n, spec.capacity)
-      kw = dict(mask=jnp.asarray(rng.random(b) < 0.8),
-                version=jnp.asarray(rng.integers(-2**31, 2**31, b) if seed % 5 == 0
-                                    else rng.integers(0, 6, b), jnp.int32),
-                priority=jnp.asarray(np.where(rng.random(b) < 0.1, -1.0, rng.random(b) * 3),
-                                     jnp.float32))
-      if spec.metadata:
-        kw["metadata"] = {k: jnp.asarray(rng.integers(0, 3, b), jnp.int32)
-                          for k in spec.metadata}
-      items = items_from_ids(rng.integers(0, 1000, b))
-      s_nat, s_por = nat["insert"](s_nat, items, **kw), por["insert"](s_por, items, **kw)
-    elif op == "update":
-      slots = rng.integers(-2, spec.capacity + 2, n).astype(np.int32)
-      keys = np.asarray(s_nat.key)[np.clip(slots, 0, spec.capacity - 1)]
-      keys = np.where(rng.random(n) < 0.2, keys + 1, keys).astype(np.uint32)  # stale keys
-      prios = rng.random(n).astype(np.float32) * 4
-      prios[rng.random(n) < 0.15] = rng.choice([np.nan, np.inf, -1.0])
-      s_nat = nat["update"](s_nat, slots, keys, prios)
-      s_por = por["update"](s_por, slots, keys, prios)
-    elif op == "delete":
-      slots = jnp.asarray(rng.integers(0, spec.capacity, 3), jnp.int32)
-      s_nat = nat["delete"](s_nat, slots, s_nat.key[slots])
-      s_por = por["delete"](s_por, slots, s_por.key[slots])
-    elif spec.max_staleness is not None:
-      v = jnp.int32(rng.integers(0, 6))
-      s_nat, s_por = nat["evict"](s_nat, v), por["evict"](s_por, v)
-    assert_states_equal(spec, s_nat, s_por, f"{op}: state")
-  assert_trees_consistent(spec, s_nat)
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted_pair(spec):
-  out = []
-  for use_native in (True, False):
-    t = _table(spec, use_native)
-    out.append(dict(init=t.init, insert=jax.jit(t.insert), delete=jax.jit(t.delete),
-                    evict=jax.jit(t.evict_stale), update=jax.jit(t.update_priorities)))
-  return out
-
-
-def test_insert_kernel_in_hlo_and_in_place():
-  spec = fr.TableSpec(4096, ITEM, max_staleness=3, metadata=("task",))
-  t = _table(spec)
-  f = jax.jit(lambda s, x: t.insert(s, x, version=2), donate_argnums=0)
-  st = t.init()
-  x = items_from_ids(np.arange(100))
-  assert "funcreplay_fifo_insert" in f.lower(st, x).compile().as_text()
-  before = [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(st) if a.size >= 4096]
-  for _ in range(50):  # wraps the ring
-    st = f(st, x)
-  after = [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(st) if a.size >= 4096]
-  assert before == after
-  assert int(st.size) == 4096
 
 
 @pytest.mark.parametrize("path", ["rejection", "enumeration"])
