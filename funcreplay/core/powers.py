@@ -77,6 +77,17 @@ def constants() -> dict:
               inv_ln2=t.INV_LN2, ln2=t.LN2, third=t.THIRD, sixth=t.SIXTH)
 
 
+@functools.lru_cache(maxsize=None)
+def words() -> np.ndarray:
+  """uint32[3 * 256 + 4]: ``constants()`` flattened as native/csrc/powers.h reads them
+  (``kPowWords``: the three tables, then inv_ln2, ln2, third, sixth). Read-only."""
+  c = constants()
+  out = np.concatenate([c["tables"].ravel(), np.array(
+      [c["inv_ln2"], c["ln2"], c["third"], c["sixth"]], np.uint32)])
+  out.setflags(write=False)
+  return out
+
+
 def compute_constants() -> dict:
   """``constants()`` computed afresh, correctly rounded (``decimal`` at 60 digits, so the
   same integers on every machine; ~1 s): how ``powers_tables`` was made, and its test."""

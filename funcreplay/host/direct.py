@@ -30,9 +30,10 @@ runs in place too (``RunUpdatePriorities``, the jitted update's kernel, with
 ``core.powers``, so the weights are the jitted program's bits for every exponent):
 the jitted update cost ~130 us of validation and dispatch, and the next
 direct sample then waited ~80 us for it (thread hand-off); in place it is
-~40 us in all. A call with a denormal priority still takes the jitted path
-(the sanitizing comparisons around the weight are float comparisons, which a
-flush-to-zero mode may read as 0).
+~40 us in all. A call with a denormal priority still takes the jitted path, as
+before the integer weights (XLA had treated denormal inputs one way or the
+other depending on the program; whether that still matters with the integer
+p**alpha was not re-checked).
 """
 
 from __future__ import annotations
@@ -186,9 +187,7 @@ class DirectSampler:
     self._update_at = ctypes.addressof(u)
     if spec.prioritized:  # indexes.sample_weight: alpha as a float32 constant
       u.alpha_bits = int(np.float32(spec.sampler.priority_exponent).view(np.uint32))
-      c = powers.constants()  # powers.h's kPowWords layout
-      self._pow_words = np.concatenate([c["tables"].ravel(), np.array(
-          [c["inv_ln2"], c["ln2"], c["third"], c["sixth"]], np.uint32)])
+      self._pow_words = powers.words()  # held: the struct keeps only its address
       u.pow_words = self._pow_words.ctypes.data
 
   def layout(self, rows: int) -> packing.PackedLayout:

@@ -28,12 +28,6 @@ def lib():
   return lib
 
 
-def _pow_words():
-  c = powers.constants()
-  return np.concatenate([c["tables"].ravel(), np.array(
-      [c["inv_ln2"], c["ln2"], c["third"], c["sixth"]], np.uint32)])
-
-
 def _inputs(seed):
   rng = np.random.default_rng(seed)
   one = np.float32(1).view(np.uint32)
@@ -50,7 +44,7 @@ def test_kernel_power_equals_portable(lib, alpha):
   x = _inputs(int(alpha * 1e6) % 2**31)
   want = np.asarray(jax.jit(lambda p: powers.power(p, alpha))(jnp.asarray(x)))
   got = np.empty_like(x)
-  words = _pow_words()
+  words = powers.words()
   lib.funcreplay_power_weights(words.ctypes.data, float(np.float32(alpha)), x.size,
                                x.ctypes.data, got.ctypes.data)
   np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -219,7 +219,7 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
       w_item = ops.take(state.weight_tree, spec.tree_size + safe)  # a real gather at B = 1
       num_eligible = jnp.sum(mask, dtype=jnp.int32) if masked else size0 - zero0
       # Correctly rounded from integers (fixedpoint.divide): XLA:GPU's float division is
-      # not; the kernels' IEEE ``/`` gives the same bits.
+      # not; the kernels' DivideExact (csrc/fixedpoint.h) gives the same bits.
       prob = fixedpoint.divide(w_item, jnp.maximum(total, numerics.TINY))
     else:
       num_eligible = ops.count(spec, state, where, ver, size=size0)
