@@ -21,14 +21,20 @@ OPS = ("fusion", "gather", "scatter", "sort", "conditional", "while", "custom-ca
 _OPCODE = re.compile(r"=\s+(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9\-]*)\(")
 _COMMENT = re.compile(r"/\*.*?\*/")  # tuple shapes carry /*index=5*/ markers
 _SHAPE = re.compile(r"=\s+[a-z0-9]+\[([0-9,]*)\]")
+# XLA:CPU's parallel task assignment marks an operation it splits across its threads
+# with this backend config. A split gather (named after its fused ops, so "gather" is in
+# the instruction's name) costs a thread hand-off each time it runs: microseconds, more
+# than the gather of a few rows itself (core.ops.insert_lean._take).
+_SPLIT = re.compile(r'"outer_dimension_partitions":\[')
 
 
 def text_counts(hlo_text: str, big: int = 1 << 16) -> Dict[str, int]:
-  """Opcode counts (``OPS`` and ``big_copies``) of optimized HLO text."""
+  """Opcode counts (``OPS``), ``big_copies`` (copies of >= ``big`` elements) and
+  ``split_gathers`` (gathers XLA:CPU splits across its threads) of optimized HLO text."""
   ops: Counter = Counter()
-  big_copies = 0
-  for line in hlo_text.splitlines():
-    line = _COMMENT.sub("", line.split(", metadata=")[0])
+  big_copies = split_gathers = 0
+  for raw in hlo_text.splitlines():
+    line = _COMMENT.sub("", raw.split(", metadata=")[0])
     m = _OPCODE.search(line)
     if not m:
       continue
@@ -41,8 +47,11 @@ def text_counts(hlo_text: str, big: int = 1 << 16) -> Dict[str, int]:
         for d in s.group(1).split(","):
           n *= int(d)
         big_copies += n >= big
+    if _SPLIT.search(raw) and "gather" in line.split("=")[0]:
+      split_gathers += 1
   out = {op: ops.get(op, 0) for op in OPS}
   out["big_copies"] = big_copies
+  out["split_gathers"] = split_gathers
   return out
 
 

@@ -118,7 +118,26 @@ def refresh_count(tree: jnp.ndarray, slots: jnp.ndarray, values: jnp.ndarray,
   if valid is None:
     valid = jnp.ones(slots.shape, bool)
   leaf = p + jnp.where(valid, slots, 0)
-  delta = jnp.where(valid, values.astype(tree.dtype) - tree[leaf], 0)
+  return add_count(tree, slots, values.astype(tree.dtype) - tree[leaf], valid)
+
+
+def add_count(tree: jnp.ndarray, slots: jnp.ndarray, delta: jnp.ndarray,
+              valid: jnp.ndarray | None = None) -> jnp.ndarray:
+  """``delta`` added to the leaves ``slots`` of an integer count tree and to all their
+  ancestors, in one scatter-add (``refresh_count`` when the caller knows the old leaf
+  values: no gather of the tree).
+
+  Args:
+    tree: ``[2P]`` integer sum tree.
+    slots: int32 ``[K]``, the valid entries distinct.
+    delta: ``[K]`` change of each leaf.
+    valid: optional bool ``[K]``; entries with False are ignored.
+  """
+  p = tree.shape[0] // 2
+  if valid is None:
+    valid = jnp.ones(slots.shape, bool)
+  leaf = p + jnp.where(valid, slots, 0)
+  delta = jnp.where(valid, delta.astype(tree.dtype), 0)
   levels = jnp.arange(depth(p) + 1, dtype=jnp.int32)[:, None]
   nodes = jnp.where(valid[None, :], leaf[None, :] >> levels, 2 * p)  # leaf .. root
   return tree.at[nodes.reshape(-1)].add(

@@ -232,6 +232,8 @@ def test_insert_program_is_lean(b):
   c = hlo.counts(lambda s, x: lean_insert.insert(spec, s, x), st, _items(b), donate_argnums=0)
   assert c["conditional"] == 0 and c["while"] == 0 and c["sort"] == 0
   assert c["big_copies"] == 0, c  # every column updated in place
+  if jax.default_backend() == "cpu":  # no victim read handed across XLA:CPU's threads
+    assert c["split_gathers"] == 0, c
 
 
 @pytest.mark.parametrize("sampler", [fr.Uniform(), fr.Prioritized(0.6)])

@@ -6,10 +6,11 @@ The B rows go to slots ``(write_pos + r) mod C``, ``r < B``, as in the
 general ``ops.insert``, and the resulting ``TableState`` is bit for bit the
 one the general path gives (tests/core/test_lean.py).
 
-Work (B static): one gather of ``occupied`` and ``times_sampled`` at the B
-slots (the victims and their reuse counts), one write per column (a
+Work (B static): one read of ``occupied`` and ``times_sampled`` at the B
+slots (the victims and their reuse counts; ``_take``), one write per column (a
 ``dynamic_update_slice`` for B = 1, else a B-row scatter), one scatter-add of
-the occupancy deltas to the B leaves and their ancestors (O(B log P)), one
+the occupancy deltas (1 - the victim's occupancy) to the B leaves and their
+ancestors (O(B log P), ``trees.add_count``), one
 float sum-tree refresh for a ``Prioritized`` sampler, the version index only
 with ``max_staleness``, and one ledger rewrite. Nothing else: no remover tree
 (a ring needs none), no cumsum over a mask, no condition, no loop.
@@ -44,12 +45,26 @@ def _rows(x, b, dtype):
   return jnp.broadcast_to(jnp.asarray(x), (b,)).astype(dtype)
 
 
-def _take(col, slots):
-  """``col[slots]``, a real gather even for one slot (as ``ops.take``: a one-row
-  read would become a dynamic slice that XLA re-fuses into every consumer)."""
+def _take(col, slots, start):
+  """``col[slots]`` for the ring's slots ``(start + r) mod C``, ``r < B``.
+
+  One slot: a real gather (as ``ops.take``: a one-row read would become a dynamic
+  slice that XLA re-fuses into every consumer). More: two windows of B rows, at
+  ``min(start, C - B)`` (every slot before the wrap) and at 0 (the slots after it),
+  and a gather from those. A gather straight from the ``[C]`` column would be one that
+  XLA:CPU's parallel task assignment splits across its threads (it prices a gather by
+  the operand it reads, here > 256 KB): each such hand-off cost ~1 us a step, most of a
+  small insert (in-scan B = 2: 4.4-4.8 -> 2.8-3.0 us a step with the windows and
+  ``trees.add_count``; BUILD.md finding 14; tests/core/test_lean.py counts the split
+  gathers)."""
   if slots.shape[0] == 1:
     return col[jnp.concatenate([slots, slots])][:1]
-  return col[slots]
+  c, b = col.shape[0], slots.shape[0]
+  lo = jnp.minimum(start, c - b)
+  before = lax.dynamic_slice_in_dim(col, lo, b, 0)
+  after_wrap = lax.slice_in_dim(col, 0, b, axis=0)
+  return jnp.where(slots >= lo, before[jnp.clip(slots - lo, 0, b - 1)],
+                   after_wrap[jnp.clip(slots, 0, b - 1)])
 
 
 def _put(col, slots, x, start):
@@ -84,7 +99,7 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   slots = (start + r) % cap
   keys = state.next_key + r.astype(jnp.uint32)
 
-  old_occ = _take(state.occupied, slots)
+  old_occ = _take(state.occupied, slots, start)
   n_evicted = jnp.sum(old_occ, dtype=jnp.uint32)
   if b == 1:
     # The victim's reuse count read inside a reduction with a scalar result: XLA:CPU
@@ -97,14 +112,14 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     lo = jnp.sum(jnp.where(occ2, state.times_sampled[two], 0)).astype(jnp.uint32)
     reuse_sum = (jnp.uint32(0), lo)
   else:
-    reuse = _take(state.times_sampled, slots)
+    reuse = _take(state.times_sampled, slots, start)
     reuse_sum = ledger.total(reuse, old_occ)
 
   hist, bounds = state.version_hist, state.version_bounds
   new_versions = versions
   if spec.max_staleness is not None:  # the same order as ops.insert: advance, remove, add
     every = jnp.ones((b,), bool)
-    old_versions = _take(state.version, slots)
+    old_versions = _take(state.version, slots, start)
     hist, bounds = staleness.advance(spec, hist, bounds, versions, every)
     hist, bounds = staleness.on_remove(spec, hist, bounds, old_versions, old_occ)
     hist, bounds = staleness.add(spec, hist, bounds, versions, every)
@@ -112,7 +127,9 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     new_versions = after(versions, jnp.sum(old_versions.astype(jnp.uint32), dtype=jnp.uint32))
 
   put = lambda col, x: _put(col, slots, x, start)  # noqa: E731
-  occ_tree = trees.refresh_count(state.occ_tree, slots, jnp.ones((b,), jnp.int32))
+  # Each leaf goes from the victim's occupancy to 1: a scatter-add of the deltas, without
+  # refresh_count's gather of the old leaves (a split gather, see _take).
+  occ_tree = trees.add_count(state.occ_tree, slots, 1 - old_occ.astype(jnp.int32))
   weight_tree = state.weight_tree
   if spec.prioritized:
     w = indexes.sample_weight(spec, jnp.ones((b,), bool), prios)
@@ -120,7 +137,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     # victims' old weights come from their priority column (a read of the weight tree would
     # make XLA copy the tree); the priority write below is ordered after that read.
     # (powers.positive: no power computed for alpha <= 1.)
-    old_zero = ~powers.positive(_take(state.priority, slots), spec.sampler.priority_exponent)
+    old_zero = ~powers.positive(_take(state.priority, slots, start),
+                                spec.sampler.priority_exponent)
     zero_delta = (jnp.sum(w <= 0, dtype=jnp.int32)
                   - jnp.sum(old_occ & old_zero, dtype=jnp.int32))
     # A two-index scatter (the second out of range, dropped): a one-index one becomes a
