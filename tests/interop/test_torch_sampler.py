@@ -1,0 +1,181 @@
+"""``funcreplay.torch.TorchSampler``: batches from a host table on a prefetch thread
+(iteration, stopping, DataLoader, errors, close, concurrent inserts, staleness).
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import funcreplay as fr  # noqa: E402
+import funcreplay.torch as frt  # noqa: E402
+from tests.interop.common import PRIO, rows, small_table  # noqa: E402
+
+# --- TorchSampler ------------------------------------------------------------------------
+
+def _threads():
+  return {t for t in threading.enumerate() if t.name == "funcreplay-torch-prefetch"}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_torch_sampler_yields_batches_and_stops(prefetch):
+  table = small_table(16, sampler=PRIO)
+  table.insert(rows(0, 16))
+  seen = []
+  with frt.TorchSampler(table, 4, prefetch=prefetch, num_batches=5, beta=lambda i: 0.4 + i / 10,
+                        version_fn=lambda: 3) as sampler:
+    for b in sampler:
+      assert isinstance(b, frt.TorchBatch) and b.valid.all()
+      a = b.data["a"].numpy()
+      np.testing.assert_array_equal(b.data["obs"][:, 1].numpy(), a + 0.5)
+      assert len(set(a.tolist())) == 4  # without replacement
+      frt.update_priorities(table, b.info, torch.rand(4) + 0.1)
+      seen.append(b)
+  assert len(seen) == 5
+  assert not _threads()
+  assert table.stats().to_dict()["samples"] == 5 * 4  # the limit stops prefetching too
+  table.close()
+
+
+@pytest.mark.timeout(60)
+def test_torch_sampler_batches_per_call_splits_one_sample():
+  table = small_table(16, sampler=PRIO)
+  table.insert(rows(0, 16), priority=np.linspace(0.5, 2.0, 16))
+  with frt.TorchSampler(table, 4, prefetch=1, batches_per_call=2, num_batches=4,
+                        beta=0.5) as sampler:
+    batches = list(sampler)
+  assert len(batches) == 4
+  assert table.stats().to_dict()["samples"] == 16  # two calls of 8 rows
+  for first, second in (batches[:2], batches[2:]):
+    slots = torch.cat([first.info.slot, second.info.slot]).tolist()
+    assert len(set(slots)) == 8  # one call: jointly without replacement
+  for b in batches:
+    assert len(b) == 4 and float(b.weights.max()) == pytest.approx(1.0)
+    p = b.info.probability.double()
+    ref = (p * b.num_eligible) ** -0.5
+    np.testing.assert_allclose(b.weights.numpy(), (ref / ref.max()).numpy(), rtol=1e-5)
+  table.close()
+
+
+@pytest.mark.timeout(60)
+def test_torch_sampler_with_a_concurrent_inserter_never_sees_torn_or_aliased_rows():
+  table = small_table(16)
+  table.insert(rows(0, 16))
+  stop = threading.Event()
+  errors = []
+
+  def produce():
+    k = 1
+    try:
+      while not stop.is_set():
+        table.insert(rows(16 * k, 16))  # overwrites every slot (state donated each time)
+        k += 1
+    except fr.TableClosedError:
+      pass
+    except BaseException as e:  # noqa: BLE001
+      errors.append(e)
+
+  th = threading.Thread(target=produce)
+  th.start()
+  kept = []
+  try:
+    with frt.TorchSampler(table, 4, prefetch=2, num_batches=40) as sampler:
+      for b in sampler:
+        a = b.data["a"]
+        assert torch.equal(b.data["obs"][:, 0], a.float()), "torn row"
+        assert torch.equal(b.data["done"], a % 3 == 0)
+        kept.append((b, {k: v.clone() for k, v in b.data.items()}))
+  finally:
+    stop.set()
+    th.join()
+  assert not errors
+  for b, snap in kept:  # later inserts never wrote into an exported batch
+    for k, v in snap.items():
+      assert torch.equal(b.data[k], v)
+  table.close()
+
+
+@pytest.mark.timeout(60)
+def test_torch_sampler_with_dataloader():
+  table = small_table(16)
+  table.insert(rows(0, 16))
+  sampler = frt.TorchSampler(table, 4, num_batches=3)
+  loader = torch.utils.data.DataLoader(sampler, batch_size=None, num_workers=0)
+  batches = list(loader)
+  assert len(batches) == 3 and all(isinstance(b, frt.TorchBatch) for b in batches)
+  assert all(tuple(b.data["obs"].shape) == (4, 3) for b in batches)
+  sampler.close()
+  assert not _threads()
+  table.close()
+
+
+@pytest.mark.timeout(60)
+def test_torch_sampler_reraises_errors_and_closes_cleanly():
+  table = small_table(16)
+  sampler = frt.TorchSampler(table, 4, prefetch=1, timeout=0.3)
+  t0 = time.monotonic()
+  with pytest.raises(TimeoutError):
+    next(iter(sampler))  # empty table
+  assert time.monotonic() - t0 < 10
+  # A closed table surfaces in the consumer, raised from the prefetch thread.
+  table.insert(rows(0, 16))
+  it = iter(frt.TorchSampler(table, 4, prefetch=2))
+  next(it)
+  table.close()
+  with pytest.raises(fr.TableClosedError):
+    for _ in range(10):
+      next(it)
+  deadline = time.monotonic() + 5
+  while _threads() and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert not _threads()
+
+
+@pytest.mark.timeout(60)
+def test_torch_sampler_close_stops_a_blocked_prefetch_thread():
+  table = small_table(16)
+  sampler = frt.TorchSampler(table, 4, prefetch=1)  # waits forever on the empty table
+  it = iter(sampler)
+  time.sleep(0.2)
+  assert _threads()
+  sampler.close()
+  assert not _threads()
+  with pytest.raises(StopIteration):
+    next(it)
+  table.close()
+
+
+@pytest.mark.timeout(60)
+def test_torch_sampler_staleness_by_version_fn():
+  table = small_table(16, max_staleness=2)
+  table.insert(rows(0, 8), version=5)
+  version = {"v": 7}
+  sampler = frt.TorchSampler(table, 4, prefetch=0, timeout=0.2, version_fn=lambda: version["v"])
+  b = next(sampler)
+  assert torch.all(b.info.version == 5)
+  version["v"] = 8   # 8 - 5 > 2: every item is stale now
+  with pytest.raises(TimeoutError, match="eligible"):
+    next(frt.TorchSampler(table, 4, prefetch=0, timeout=0.2, version_fn=lambda: version["v"]))
+  sampler.close()
+  table.close()
+
+
+def test_torch_sampler_bad_arguments():
+  table = small_table(16)
+  with pytest.raises(ValueError, match="batch_size"):
+    frt.TorchSampler(table, 0)
+  with pytest.raises(ValueError, match="prefetch"):
+    frt.TorchSampler(table, 2, prefetch=-1)
+  with pytest.raises(ValueError, match="beta"):
+    frt.TorchSampler(table, 2, beta=-1.0)
+  with pytest.raises(ValueError, match="batches_per_call"):
+    frt.TorchSampler(table, 2, batches_per_call=0)
+  with pytest.raises(TypeError, match="Table"):
+    frt.TorchSampler(object(), 2)
+  table.close()
+
+
