@@ -26,7 +26,7 @@ f32[64], action i32, reward f32, discount f32`` at capacity 1,000,000 (small:
   other gathers), vs flashbax in the same scan; and K single-item inserts in a
   scan, per item, against the host peers' single-item insert from Python.
 
-Every timed operation is a ``_Runner``; runners of one group are measured
+Every timed operation is a ``Runner``; runners of one group are measured
 round-robin (``repeats`` rounds, median seconds per call), so load from other
 processes on a shared machine hits every configuration alike. Outputs of every
 call (sampled data included) are kept alive and waited for, so XLA cannot drop
@@ -44,7 +44,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,10 +52,18 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
+from experiments.timing import (  # noqa: E402
+  ITEM_BYTES,
+  OBS,
+  Holder,
+  Runner,
+  consume,
+  example,
+  measure,
+  transitions,
+)
 
 SECTION = "core"
-OBS = 64
-ITEM_BYTES = 2 * OBS * 4 + 3 * 4  # 524
 NOTES: List[str] = []  # filled by run(): skipped peers, semantic differences
 
 
@@ -86,83 +94,13 @@ TINY = Sizes(256, (8,), (8,), (8,), scan_steps=4, scan_insert=8, scan_sample=8, 
 PEERS = ("flashbax", "numpy", "cpprb", "torchrl")
 
 
-def transitions(n: int, seed: int = 0) -> Dict[str, np.ndarray]:
-  """``n`` random transitions: dict of numpy arrays with a leading ``[n]`` axis."""
-  rng = np.random.default_rng(seed)
-  return {"obs": rng.standard_normal((n, OBS), dtype=np.float32),
-          "next_obs": rng.standard_normal((n, OBS), dtype=np.float32),
-          "action": rng.integers(0, 18, n, dtype=np.int32),
-          "reward": rng.standard_normal(n, dtype=np.float32),
-          "discount": np.full(n, 0.99, np.float32)}
-
-
-def _example():
-  return {k: v[0] for k, v in transitions(1).items()}
-
-
-# --- timing ------------------------------------------------------------------
-
-class _Runner:
-  """One timed operation: ``step(i)`` issues call ``i``, ``sync()`` waits for it.
-
-  The number of calls per measurement is calibrated once so a measurement
-  takes about ``target_s`` seconds.
-  """
-
-  def __init__(self, step: Callable[[int], None], sync: Callable[[], None], target_s: float):
-    self.step, self.sync, self.i, self.times = step, sync, 0, []
-    self.cpu_times = []  # process CPU seconds per call (all threads), one per run()
-    for _ in range(2):  # compile + warm up
-      self._call()
-    self.sync()
-    t0, n = time.perf_counter(), 0
-    while n < 3 or time.perf_counter() - t0 < target_s / 10:
-      self._call()
-      n += 1
-    self.sync()
-    per_call = (time.perf_counter() - t0) / n
-    self.steps = int(min(50_000, max(3, round(target_s / max(per_call, 1e-9)))))
-
-  def _call(self):
-    self.step(self.i)
-    self.i += 1
-
-  def run(self):
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(self.steps):
-      self._call()
-    self.sync()
-    self.times.append((time.perf_counter() - t0) / self.steps)
-    self.cpu_times.append((time.process_time() - c0) / self.steps)
-
-
-def _measure(runners: Dict[str, _Runner], repeats: int) -> Dict[str, float]:
-  """Median seconds per call of each runner, measured round-robin."""
-  for _ in range(repeats):
-    for r in runners.values():
-      r.run()
-  return {k: float(np.median(r.times)) for k, r in runners.items()}
-
-
-class _Holder:
-  """The state of one jitted table, threaded (donated) through every call."""
-
-  def __init__(self, state):
-    self.state, self.out = state, None
-
-  def runner(self, fn, *args, target_s):
-    def step(i):
-      self.state, self.out = fn(self.state, i, *args)
-    return _Runner(step, lambda: jax.block_until_ready((self.state, self.out)), target_s)
-
-
 # --- peers -------------------------------------------------------------------
 
 class NumpyRing:
   """The reference: a plain numpy ring buffer (uniform sampling with replacement)."""
 
   def __init__(self, capacity: int, seed: int = 0):
-    self.data = {k: np.zeros((capacity,) + v.shape, v.dtype) for k, v in _example().items()}
+    self.data = {k: np.zeros((capacity,) + v.shape, v.dtype) for k, v in example().items()}
     self.capacity, self.pos, self.size = capacity, 0, 0
     self.rng = np.random.default_rng(seed)
 
@@ -181,7 +119,7 @@ class NumpyRing:
 
 
 def _host_runner(fn, target_s):
-  return _Runner(fn, lambda: None, target_s)
+  return Runner(fn, lambda: None, target_s)
 
 
 def _try_import(name):
@@ -225,19 +163,13 @@ def _torch_td(items):
 
 # --- the two groups ----------------------------------------------------------
 
-def _use(batch):
-  """A float32 scalar that reads every sampled leaf, so XLA keeps every gather (as a
-  learner that uses the whole transition would)."""
-  return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree_util.tree_leaves(batch))
-
-
 def _ours_uniform(sz: Sizes, chunks):
-  spec = fr.TableSpec(sz.capacity, _example(), max_staleness=1 << 30,
+  spec = fr.TableSpec(sz.capacity, example(), max_staleness=1 << 30,
                       max_times_sampled=1 << 30)
   t = fr.make_table(spec)  # default semantics: masks on, no replacement
   plain = fr.make_table(spec.replace(max_staleness=None, max_times_sampled=0))  # same state
   ins = jax.jit(lambda s, i, items: t.insert(s, items, version=i), donate_argnums=0)
-  h = _Holder(t.init())
+  h = Holder(t.init())
   for c in chunks:
     h.state = ins(h.state, 0, c)
   return t, plain, ins, h
@@ -276,7 +208,7 @@ def _uniform_group(sz: Sizes, peers, rows_out: list):
       s, acc, v = c
       s = t.insert(s, x, version=v)
       s, smp = t.sample(s, jax.random.PRNGKey(v), batch_size=sz.scan_sample, version=v)
-      acc = acc + _use(smp.data)
+      acc = acc + consume(smp.data)
       return (s, acc, v + 1), None
     (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
     return s, acc
@@ -298,7 +230,7 @@ def _uniform_group(sz: Sizes, peers, rows_out: list):
         max_length=sz.capacity, min_length=1, sample_batch_size=b, add_batches=batches)
     buf = mk(sz.scan_sample)
     fadd = jax.jit(lambda s, x: buf.add(s, x), donate_argnums=0)
-    fh = _Holder(buf.init(_example()))
+    fh = Holder(buf.init(example()))
     for c in chunks:
       fh.state = fadd(fh.state, c)
     for b in sz.insert_batches:
@@ -322,7 +254,7 @@ def _uniform_group(sz: Sizes, peers, rows_out: list):
         s, acc, v = c
         s = buf.add(s, x)
         e = buf.sample(s, jax.random.PRNGKey(v)).experience
-        acc = acc + _use(e)
+        acc = acc + consume(e)
         return (s, acc, v + 1), None
       (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
       return s, acc
@@ -371,7 +303,7 @@ def _uniform_group(sz: Sizes, peers, rows_out: list):
     for b in sz.sample_batches:
       runners[f"torchrl sample {b}"] = _host_runner(lambda i, b=b: trb.sample(b), tgt)
 
-  secs = _measure(runners, sz.repeats)
+  secs = measure(runners, sz.repeats)
   names = dict(flashbax="flashbax item buffer (jit, donated)", numpy="numpy ring buffer",
                cpprb="cpprb ReplayBuffer", torchrl="torchrl ReplayBuffer (LazyTensorStorage)")
   for b in sz.insert_batches:
@@ -400,10 +332,10 @@ def _prioritized_group(sz: Sizes, peers, rows_out: list):
   host_chunk = transitions(sz.fill_chunk, seed=1)
   chunks = [jax.device_put(host_chunk)] * (sz.capacity // sz.fill_chunk)
   runners = {}
-  spec = fr.TableSpec(sz.capacity, _example(), sampler=fr.Prioritized(0.6))
+  spec = fr.TableSpec(sz.capacity, example(), sampler=fr.Prioritized(0.6))
   t = fr.make_table(spec)
   ins = jax.jit(lambda s, x: t.insert(s, x, version=0), donate_argnums=0)
-  h = _Holder(t.init())
+  h = Holder(t.init())
   for c in chunks:
     h.state = ins(h.state, c)
 
@@ -430,7 +362,7 @@ def _prioritized_group(sz: Sizes, peers, rows_out: list):
         max_length=sz.capacity, min_length=1, sample_batch_size=b, add_batches=True,
         priority_exponent=0.6, device="cpu")
     buf = mk(b0)
-    fh = _Holder(buf.init(_example()))
+    fh = Holder(buf.init(example()))
     fadd = jax.jit(buf.add, donate_argnums=0)
     for c in chunks:
       fh.state = fadd(fh.state, c)
@@ -475,7 +407,7 @@ def _prioritized_group(sz: Sizes, peers, rows_out: list):
       for b in sz.prio_batches:
         runners[f"torchrl {b}"] = _host_runner(lambda i, b=b: tr(i, b), tgt)
 
-  secs = _measure(runners, sz.repeats)
+  secs = measure(runners, sz.repeats)
   names = dict(flashbax="flashbax prioritised item buffer (cpu path, with repl.)",
                cpprb="cpprb PrioritizedReplayBuffer (with repl.)",
                torchrl="torchrl PrioritizedReplayBuffer (with repl.)")

@@ -153,7 +153,7 @@ def main(argv):
     print(f"{case:<36} 4 KiB pages {ta * 1e6:8.1f} us   huge pages {tb * 1e6:8.1f} us   "
           f"speed-up {ta / tb:5.2f}x", flush=True)
 
-  uni = fr.TableSpec(c, bc._example(), max_staleness=1 << 30, max_times_sampled=1 << 30)
+  uni = fr.TableSpec(c, bc.example(), max_staleness=1 << 30, max_times_sampled=1 << 30)
   t, states = _pair(uni, fill)
   for b in (256, 1024):
     f = jax.jit(lambda s, i, b=b: t.sample(s, jax.random.PRNGKey(i), batch_size=b, version=i),
@@ -165,7 +165,7 @@ def main(argv):
   print(f"table B still on huge pages: {_on_huge_pages(states[1])}")
   del states
 
-  pri = fr.TableSpec(c, bc._example(), sampler=fr.Prioritized(0.6))
+  pri = fr.TableSpec(c, bc.example(), sampler=fr.Prioritized(0.6))
   t, states = _pair(pri, fill)
 
   def step(s, i, b):

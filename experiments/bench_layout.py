@@ -37,7 +37,7 @@ from absl import app, flags
 from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench_core import _Holder, _measure, _use, transitions  # noqa: E402
+from experiments.timing import Holder, consume, measure, transitions  # noqa: E402
 
 CAPACITY = 1 << 18
 STEPS, INS, SMP = 50, 16, 256
@@ -85,7 +85,7 @@ def column_programs(example):
 
   def sample(data, v):
     i = _draw(v)
-    return _use(jax.tree_util.tree_map(lambda c: c[i], data))
+    return consume(jax.tree_util.tree_map(lambda c: c[i], data))
 
   return insert, sample
 
@@ -101,7 +101,7 @@ def row_programs(example):
   def sample(rows, v):
     got = rows[_draw(v)]
     meta = got[:, -META_WORDS:]  # consumed too: a table reads the slot's metadata with its rows
-    return _use(unpack(got, example, names, widths)) + jnp.sum(meta).astype(jnp.float32)
+    return consume(unpack(got, example, names, widths)) + jnp.sum(meta).astype(jnp.float32)
 
   return insert, sample
 
@@ -153,12 +153,12 @@ def main(argv):
     for case, fn in scans(*programs(example), INS).items():
       if case == "insert b1":
         fn = scans(*programs(example), 1)[case]
-      h = _Holder((stores[layout](), jnp.int32(0)))
+      h = Holder((stores[layout](), jnp.int32(0)))
       runners[(layout, case)] = h.runner(jax.jit(fn, donate_argnums=0), xs[case],
                                          target_s=FLAGS.target_s)
   print(f"capacity {CAPACITY:,}, jax {jax.__version__}, {jax.default_backend()}, {STEPS} steps "
         f"per scan, {FLAGS.rounds} interleaved rounds (medians); load {os.getloadavg()[0]:.1f}")
-  secs = _measure(runners, FLAGS.rounds)
+  secs = measure(runners, FLAGS.rounds)
   cpu = {k: float(np.median(r.cpu_times)) for k, r in runners.items()}
   for case in xs:
     c, r = secs[("columns", case)], secs[("rows", case)]

@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
-from experiments.bench_core import _example, _Holder, _measure, _use, transitions  # noqa: E402
+from experiments.timing import Holder, consume, example, measure, transitions  # noqa: E402
 from funcreplay.core import hlo, ops  # noqa: E402
 from funcreplay.core.sampling import uniform_lean  # noqa: E402
 
@@ -75,7 +75,7 @@ class LeanRing:
 
 def _filled(t, fill):
   ins = jax.jit(lambda s, x: t.insert(s, x), donate_argnums=0)
-  h = _Holder(t.init())
+  h = Holder(t.init())
   for c in fill:
     h.state = ins(h.state, c)
   return h
@@ -83,7 +83,7 @@ def _filled(t, fill):
 
 def _fbx_filled(buf, fill):
   add = jax.jit(buf.add, donate_argnums=0)
-  h = _Holder(buf.init(_example()))
+  h = Holder(buf.init(example()))
   for c in fill:
     h.state = add(h.state, c)
   return h
@@ -98,7 +98,7 @@ def uniform_runners(tables, fbx, fill, xs16, xs1, target_s, xs1_long):
         s, acc, v = c
         s = t.insert(s, x)
         s, smp = t.sample(s, jax.random.PRNGKey(v), batch_size=SMP)
-        return (s, acc + _use(smp.data), v + 1), None
+        return (s, acc + consume(smp.data), v + 1), None
       (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
       return s, acc
     return f
@@ -109,7 +109,7 @@ def uniform_runners(tables, fbx, fill, xs16, xs1, target_s, xs1_long):
         s, acc, v = c
         s, smp = t.sample(s, jax.random.PRNGKey(v), batch_size=SMP)
         s = t.insert(s, x)
-        return (s, acc + _use(smp.data), v + 1), None
+        return (s, acc + consume(smp.data), v + 1), None
       (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
       return s, acc
     return f
@@ -138,14 +138,14 @@ def uniform_runners(tables, fbx, fill, xs16, xs1, target_s, xs1_long):
     def body(c, x):
       s, acc, v = c
       s = buf.add(s, x)
-      return (s, acc + _use(buf.sample(s, jax.random.PRNGKey(v)).experience), v + 1), None
+      return (s, acc + consume(buf.sample(s, jax.random.PRNGKey(v)).experience), v + 1), None
     (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
     return s, acc
 
   def fsi(s, i0, xs):
     def body(c, x):
       s, acc, v = c
-      acc = acc + _use(buf.sample(s, jax.random.PRNGKey(v)).experience)
+      acc = acc + consume(buf.sample(s, jax.random.PRNGKey(v)).experience)
       return (buf.add(s, x), acc, v + 1), None
     (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
     return s, acc
@@ -172,7 +172,7 @@ def prioritized_runners(tables, fbx, fill, target_s, platform="cpu"):
         s, smp = t.sample(s, jax.random.PRNGKey(v), batch_size=SMP)
         s = t.update_priorities(s, smp.info.slot, smp.info.key,
                                 jnp.abs(smp.data["reward"]) + 0.01)
-        return (s, acc + _use((smp.data, smp.info.probability)), v + 1), None
+        return (s, acc + consume((smp.data, smp.info.probability)), v + 1), None
       (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), None,
                                     length=STEPS)
       return s, acc
@@ -191,7 +191,7 @@ def prioritized_runners(tables, fbx, fill, target_s, platform="cpu"):
       s, acc, v = c
       smp = buf.sample(s, jax.random.PRNGKey(v))
       s = buf.set_priorities(s, smp.indices, jnp.abs(smp.experience["reward"]) + 0.01)
-      return (s, acc + _use((smp.experience, smp.probabilities)), v + 1), None
+      return (s, acc + consume((smp.experience, smp.probabilities)), v + 1), None
     (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), None, length=STEPS)
     return s, acc
 
@@ -201,7 +201,7 @@ def prioritized_runners(tables, fbx, fill, target_s, platform="cpu"):
 
 def hlo_counts(fbx):
   """Operation counts of the compiled programs, ours (portable) and flashbax's."""
-  spec = fr.TableSpec(CAPACITY, _example())
+  spec = fr.TableSpec(CAPACITY, example())
   t = fr.make_table(spec, native=False)
   st, key = t.init(), jax.random.PRNGKey(0)
   buf = fbx.make_item_buffer(max_length=CAPACITY, min_length=1, sample_batch_size=SMP,
@@ -217,13 +217,13 @@ def hlo_counts(fbx):
       "uniform sample b256": hlo.counts(lambda s, k: t.sample(s, k, batch_size=SMP), st, key,
                                         donate_argnums=0),
       "flashbax uniform sample b256": hlo.counts(lambda s, k: (s, buf.sample(s, k).experience),
-                                                 buf.init(_example()), key, donate_argnums=0),
+                                                 buf.init(example()), key, donate_argnums=0),
       "prioritized sample b256": hlo.counts(lambda s, k: pt.sample(s, k, batch_size=SMP),
                                             pt.init(), key, donate_argnums=0),
       "insert b16": hlo.counts(t.insert, st, x16, donate_argnums=0),
       "insert b1": hlo.counts(t.insert, st, x1, donate_argnums=0),
       "general (masked) insert b16": hlo.counts(general_insert, st, x16, donate_argnums=0),
-      "flashbax add b16": hlo.counts(buf.add, buf.init(_example()), x16, donate_argnums=0),
+      "flashbax add b16": hlo.counts(buf.add, buf.init(example()), x16, donate_argnums=0),
   }
 
 
@@ -269,7 +269,7 @@ def run(a):
     for k, v in hlo_counts(fbx).items():
       print(f"HLO {k:<30} {v}")
   for case in a.cases.split(","):
-    spec = fr.TableSpec(CAPACITY, _example())
+    spec = fr.TableSpec(CAPACITY, example())
     if case == "prioritized":
       spec = spec.replace(sampler=fr.Prioritized(0.6))
     tables = {"portable": fr.make_table(spec, native=False)}
@@ -283,7 +283,7 @@ def run(a):
     else:
       runners = prioritized_runners(tables, fbx, fill, a.target_s, platform)
       kinds = ("prio",)
-    secs = _measure(runners, a.rounds)
+    secs = measure(runners, a.rounds)
     cpu = {k: float(np.median(r.cpu_times)) for k, r in runners.items()}
     for kind in kinds:
       f, fc = secs[f"flashbax {kind}"], cpu[f"flashbax {kind}"]

@@ -4,7 +4,7 @@ CPU, flashbax 0.1.3 in the same process, same shapes: 16 envs, time capacity
 65,536 (``--small``: 4,096), windows of L = 32 steps, period 1 and 8, the
 76-byte step ``{obs float32[16], action int32, reward float32, discount
 float32}``. Every scan step adds ``[16, 1]`` steps and samples 64 windows;
-every sampled data leaf is consumed (``bench_core._use``), so XLA keeps every
+every sampled data leaf is consumed (``timing.consume``), so XLA keeps every
 gather. Tables are filled first (the time axis wrapped once).
 
 Runners, measured round-robin (``--rounds``), medians, ratio = flashbax
@@ -43,7 +43,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
-from experiments.bench_core import _Holder, _measure, _use  # noqa: E402
+from experiments import timing  # noqa: E402
+from experiments.timing import Holder, consume  # noqa: E402
 from funcreplay.core import hlo  # noqa: E402
 
 ENVS, LENGTH, BATCH, STEPS = 16, 32, 64, 50
@@ -67,7 +68,7 @@ def _variants(native: bool):
   return (("", False),) + ((" native", True),) if on else (("", False),)
 
 
-def step_example():
+def stepexample():
   return {"obs": jnp.zeros((16,), jnp.float32), "action": jnp.zeros((), jnp.int32),
           "reward": jnp.zeros((), jnp.float32), "discount": jnp.zeros((), jnp.float32)}
 
@@ -110,7 +111,7 @@ def runners_for(period: int, cap: int, target_s: float, native: bool = True):
   for (base, episodes), (suffix, nat) in itertools.product(
       (("ours", False), ("ours episodes", True)), _variants(native)):
     name = base + suffix
-    spec = fr.TrajectorySpec(ENVS, cap, LENGTH, period, step_example(),
+    spec = fr.TrajectorySpec(ENVS, cap, LENGTH, period, stepexample(),
                              cross_episodes=not episodes)
     table = fr.make_trajectory_table(spec, native=nat)
 
@@ -122,10 +123,10 @@ def runners_for(period: int, cap: int, target_s: float, native: bool = True):
         else:
           s = table.add(s, x)
         s, smp = table.sample(s, jax.random.PRNGKey(v), batch_size=BATCH)
-        return (s, acc + _use((smp.data, smp.valid)), v + 1), None
+        return (s, acc + consume((smp.data, smp.valid)), v + 1), None
       (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
       return s, acc
-    h = _Holder(_fill_ours(table, cap, episodes))
+    h = Holder(_fill_ours(table, cap, episodes))
     mem[name] = _nbytes(h.state)
     out[f"{name} p{period}"] = h.runner(jax.jit(fn, donate_argnums=0), xs, target_s=target_s)
   buf = fbx.make_trajectory_buffer(add_batch_size=ENVS, sample_batch_size=BATCH,
@@ -143,10 +144,10 @@ def runners_for(period: int, cap: int, target_s: float, native: bool = True):
     def body(c, x):
       s, acc, v = c
       s = buf.add(s, x)
-      return (s, acc + _use(buf.sample(s, jax.random.PRNGKey(v)).experience), v + 1), None
+      return (s, acc + consume(buf.sample(s, jax.random.PRNGKey(v)).experience), v + 1), None
     (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
     return s, acc
-  h = _Holder(s)
+  h = Holder(s)
   out[f"flashbax p{period}"] = h.runner(jax.jit(ffn, donate_argnums=0), xs, target_s=target_s)
   return out, mem
 
@@ -158,7 +159,7 @@ def prioritized_runners(period: int, cap: int, target_s: float, native: bool = T
   import flashbax as fbx
   xs = _xs()
   out = {}
-  spec = fr.TrajectorySpec(ENVS, cap, LENGTH, period, step_example(),
+  spec = fr.TrajectorySpec(ENVS, cap, LENGTH, period, stepexample(),
                            sampler=fr.Prioritized(0.6), cross_episodes=True)
   for suffix, nat in _variants(native):
     table = fr.make_trajectory_table(spec, native=nat)
@@ -170,10 +171,10 @@ def prioritized_runners(period: int, cap: int, target_s: float, native: bool = T
         s, smp = table.sample(s, jax.random.PRNGKey(v), batch_size=BATCH)
         s = table.update_priorities(s, smp.info.slot, smp.info.key,
                                     jnp.abs(smp.data["reward"][:, 0]) + 0.01)
-        return (s, acc + _use((smp.data, smp.info.probability)), v + 1), None
+        return (s, acc + consume((smp.data, smp.info.probability)), v + 1), None
       (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
       return s, acc
-    out[f"ours prio{suffix} p{period}"] = _Holder(_fill_ours(table, cap, False)).runner(
+    out[f"ours prio{suffix} p{period}"] = Holder(_fill_ours(table, cap, False)).runner(
         jax.jit(fn, donate_argnums=0), xs, target_s=target_s)
   buf = fbx.make_prioritised_trajectory_buffer(
       add_batch_size=ENVS, sample_batch_size=BATCH, sample_sequence_length=LENGTH, period=period,
@@ -191,17 +192,17 @@ def prioritized_runners(period: int, cap: int, target_s: float, native: bool = T
       s = buf.add(s, x)
       smp = buf.sample(s, jax.random.PRNGKey(v))
       s = buf.set_priorities(s, smp.indices, jnp.abs(smp.experience["reward"][:, 0]) + 0.01)
-      return (s, acc + _use((smp.experience, smp.probabilities)), v + 1), None
+      return (s, acc + consume((smp.experience, smp.probabilities)), v + 1), None
     (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
     return s, acc
-  out[f"flashbax prio p{period}"] = _Holder(s).runner(jax.jit(ffn, donate_argnums=0), xs,
+  out[f"flashbax prio p{period}"] = Holder(s).runner(jax.jit(ffn, donate_argnums=0), xs,
                                                       target_s=target_s)
   return out
 
 
 def hlo_counts(period: int, cap: int):
   import flashbax as fbx
-  spec = fr.TrajectorySpec(ENVS, cap, LENGTH, period, step_example(), cross_episodes=True)
+  spec = fr.TrajectorySpec(ENVS, cap, LENGTH, period, stepexample(), cross_episodes=True)
   t = fr.make_trajectory_table(spec, native=False)
   tn = fr.make_trajectory_table(spec, native=True)
   st = t.init()
@@ -209,7 +210,7 @@ def hlo_counts(period: int, cap: int):
   buf = fbx.make_trajectory_buffer(add_batch_size=ENVS, sample_batch_size=BATCH,
                                    sample_sequence_length=LENGTH, period=period,
                                    min_length_time_axis=LENGTH, max_length_time_axis=cap)
-  bs = buf.init(step_example())
+  bs = buf.init(stepexample())
   key = jax.random.PRNGKey(0)
   return {
       "ours add [16,1]": hlo.counts(t.add, st, x, donate_argnums=0),
@@ -234,7 +235,7 @@ def measure(periods, cap: int, rounds: int, target_s: float, prioritized: bool =
     runners, mem = runners_for(p, cap, target_s, native)
     if prioritized:
       runners.update(prioritized_runners(p, cap, target_s, native))
-    secs = _measure(runners, rounds)
+    secs = timing.measure(runners, rounds)
     cpu = {k: float(np.median(r.cpu_times)) for k, r in runners.items()}
 
     def row(case, ours, peer, peer_name, secs=secs, cpu=cpu):
