@@ -70,6 +70,24 @@ def refresh_sum(tree: jnp.ndarray, slots: jnp.ndarray, values: jnp.ndarray,
 _FEW, _BLOCK, _BLOCK_MANY = 128, 4, 2
 
 
+# Up to this many leaves, ``_blocks`` reads each block with its own dynamic slice. XLA:CPU
+# prices a gather by the operand it reads, so a gather of a few blocks from a tree over
+# 256 KB is split across its threads, a hand-off each time (BUILD.md "Lean portable
+# programs", finding 14); a dynamic slice is priced by what it reads. Measured in-scan,
+# C = 262,144: a prioritized update of 1 / 4 / 8 rows 11 -> 1.0 / 1.6 / 2.5 us a step.
+# XLA fuses up to 8 such slices into one operation; at 16 each became its own (57 -> 133
+# fusions in the insert, also in chunks of 8), so beyond 8 rows: one (split) gather.
+_SLICED = 8
+
+
+def _blocks(tree, starts, width: int):
+  """``tree[starts[i] : starts[i] + width]`` stacked: ``[K, width]``."""
+  if starts.shape[0] > _SLICED:
+    return tree[starts[:, None] + jnp.arange(width)[None, :]]
+  return jnp.stack([lax.dynamic_slice_in_dim(tree, starts[i], width)
+                    for i in range(starts.shape[0])])
+
+
 def _recompute_in_blocks(tree, leaf, valid, block: int = _BLOCK):
   """Recompute the ancestors of ``leaf`` (tree indices ``[K]``) ``block`` levels at a time.
 
@@ -84,7 +102,7 @@ def _recompute_in_blocks(tree, leaf, valid, block: int = _BLOCK):
   while done < levels:
     k = min(block, levels - done)
     top = leaf >> (done + k)
-    vals = tree[(top << k)[:, None] + jnp.arange(1 << k)[None, :]]
+    vals = _blocks(tree, top << k, 1 << k)
     outs, idxs = [], []
     for j in range(1, k + 1):
       vals = vals[:, 0::2] + vals[:, 1::2]

@@ -236,6 +236,25 @@ def test_insert_program_is_lean(b):
     assert c["split_gathers"] == 0, c
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's parallel task split")
+@pytest.mark.parametrize("b", [1, 8])
+def test_small_prioritized_writes_split_no_gather(b):
+  # C = 2**18: every column (1 MB) and the trees (2 MB) are over XLA:CPU's 256 KB split
+  # threshold; the weight tree's blocks (trees._blocks) and the victims' / winners' old
+  # priorities (rows.count_read) are read without a gather it would split (finding 14).
+  spec = fr.TableSpec(1 << 18, EXAMPLE, sampler=fr.Prioritized(0.6))
+  t = fr.make_table(spec, native=False)
+  st = t.init()
+  ins = hlo.counts(lambda s, x: lean_insert.insert(spec, s, x, priority=1.5), st, _items(b),
+                   donate_argnums=0)
+  slots = jnp.arange(b, dtype=jnp.int32)
+  upd = hlo.counts(lambda s: t.update_priorities(s, slots, slots.astype(jnp.uint32),
+                                                 jnp.ones((b,), jnp.float32)), st,
+                   donate_argnums=0)
+  for c in (ins, upd):
+    assert c["split_gathers"] == 0 and c["big_copies"] == 0, c
+
+
 @pytest.mark.parametrize("sampler", [fr.Uniform(), fr.Prioritized(0.6)])
 @pytest.mark.parametrize("k", [1, 6])
 def test_lean_update_priorities_equals_the_general_one(sampler, k):

@@ -29,6 +29,7 @@ from funcreplay.core import ledger_update as ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
 from funcreplay.core.inplace import after
+from funcreplay.core.ops.rows import count_read
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -137,10 +138,14 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     # victims' old weights come from their priority column (a read of the weight tree would
     # make XLA copy the tree); the priority write below is ordered after that read.
     # (powers.positive: no power computed for alpha <= 1.)
-    old_zero = ~powers.positive(_take(state.priority, slots, start),
-                                spec.sampler.priority_exponent)
-    zero_delta = (jnp.sum(w <= 0, dtype=jnp.int32)
-                  - jnp.sum(old_occ & old_zero, dtype=jnp.int32))
+    alpha = spec.sampler.priority_exponent
+    if b == 1:  # counted where read (rows.count_read: no split gather)
+      n_old_zero = count_read(state.priority, slots, old_occ,
+                              lambda p: ~powers.positive(p, alpha))
+    else:
+      old_zero = ~powers.positive(_take(state.priority, slots, start), alpha)
+      n_old_zero = jnp.sum(old_occ & old_zero, dtype=jnp.int32)
+    zero_delta = jnp.sum(w <= 0, dtype=jnp.int32) - n_old_zero
     # A two-index scatter (the second out of range, dropped): a one-index one becomes a
     # dynamic-update-slice that XLA fuses into later reads, copying the tree (indexes.refresh).
     occ_tree = occ_tree.at[jnp.array([0, 2 * spec.tree_size])].add(

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from funcreplay.core import bits, indexes, inplace, powers, trees
 from funcreplay.core import counters as ctr
 from funcreplay.core.inplace import after, materialize
+from funcreplay.core.ops.rows import count_read
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -65,12 +66,11 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
     # Keep the zero-weight count (occ_tree[0], see indexes.zero_weight_count) in step. The
     # winners' old weights come from their priority column (a read of the weight tree would
     # make XLA copy the tree); the priority write below is ordered after that read.
-    # A real gather even for K = 1 (a one-row read is a dynamic slice that XLA re-fuses into
-    # every consumer, each a read the ordering below does not cover; see ops.take).
-    old_p = state.priority[jnp.concatenate([safe, safe])][:k] if k == 1 else state.priority[safe]
-    old_zero = ~powers.positive(old_p, spec.sampler.priority_exponent)  # no power, alpha <= 1
+    # Counted where read (rows.count_read: no gather split across XLA:CPU's threads, and
+    # for K = 1 no dynamic slice re-fused into consumers the ordering below does not cover).
+    alpha = spec.sampler.priority_exponent  # powers.positive: no power for alpha <= 1
     delta = (jnp.sum(win & (w <= 0), dtype=jnp.int32)
-             - jnp.sum(win & old_zero, dtype=jnp.int32))
+             - count_read(state.priority, safe, win, lambda q: ~powers.positive(q, alpha)))
     # A two-index scatter (the second out of range, dropped): a one-index one becomes a
     # dynamic-update-slice that XLA fuses into later reads, copying the tree (indexes.refresh).
     occ_tree = occ_tree.at[jnp.array([0, 2 * spec.tree_size])].add(

@@ -59,6 +59,22 @@ def key_matches(state: TableState, slots, keys):
   return safe, ok
 
 
+def count_read(col, slots, where, pred):
+  """int32[]: ``sum(where & pred(col[slots]))``, the gather inside the reduction.
+
+  XLA:CPU splits a gather from a column over 256 KB across its threads, a hand-off
+  each time it runs (it prices a gather by its operand; BUILD.md "Lean portable
+  programs", finding 14), but not a reduction to a scalar, which it cannot split; so a
+  read whose rows are only counted is done inside the count. One slot is read twice,
+  the copy masked out (``take``: a one-index gather becomes a dynamic slice that XLA
+  re-fuses into every consumer). ``pred`` must be elementwise.
+  """
+  if slots.shape[0] == 1:
+    slots = jnp.concatenate([slots, slots])
+    where = jnp.concatenate([where, jnp.zeros((1,), bool)])
+  return jnp.sum(where & pred(col[slots]), dtype=jnp.int32)
+
+
 def take(col, slots):
   """``col[slots]`` as a real gather even for one slot.
 
