@@ -143,3 +143,23 @@ def test_batch_of_one_compiles_without_column_copies(sampler):
     return t.update_priorities(s, smp.info.slot, smp.info.key, 1.0), smp
 
   assert _capacity_copies(sample_update, s) == []
+
+
+@pytest.mark.parametrize("b", [8, 32])
+def test_prioritized_step_in_a_scan_compiles_without_tree_copies(b):
+  # A learner's loss reads info.probability but does not feed the next update_priorities'
+  # writes. XLA re-fused the probability's division, with its reads of the weight tree,
+  # into that consumer and copied the tree twice a step (B <= 32; prioritized_lean now
+  # materializes the probability).
+  t = fr.make_table(fr.TableSpec(CAP, ITEM, sampler=fr.Prioritized(0.6)))
+
+  def step(c, i):
+    s, acc = c
+    s, smp = t.sample(s, jax.random.PRNGKey(i), batch_size=b)
+    s = t.update_priorities(s, smp.info.slot, smp.info.key, smp.data["obs"][:, 0] ** 2 + 0.1)
+    return (s, acc + jnp.sum(smp.info.probability) + jnp.sum(smp.data["obs"])), None
+
+  def run(s, i0):
+    return jax.lax.scan(step, (s, jnp.float32(0)), jnp.arange(4) + i0)[0]
+
+  assert _capacity_copies(run, t.init(), 0) == []

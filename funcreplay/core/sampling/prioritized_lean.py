@@ -35,6 +35,7 @@ which runs it on the masked tree).
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from funcreplay.core import fixedpoint, indexes, inplace, numerics, trees
 from funcreplay.core import selectors as sel
@@ -67,7 +68,12 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   # XLA's pow (exact.py; for a consistent table it is the same value).
   w_item = trees.leaf_values(tree, slot)
   # Correctly rounded from integers (fixedpoint.divide; XLA:GPU's float division is not).
-  prob = fixedpoint.divide(w_item, jnp.maximum(total, numerics.TINY))
+  # Materialized: XLA re-fuses the division, with its reads of the tree (the leaves and
+  # the root), into each consumer of ``prob``; a consumer that a later write of the tree
+  # does not wait for (a learner's loss, not the next update_priorities) then made XLA
+  # copy the 2 MB tree twice a step in a scan (B <= 32; finding 14).
+  prob = lax.bitcast_convert_type(inplace.materialize(lax.bitcast_convert_type(
+      fixedpoint.divide(w_item, jnp.maximum(total, numerics.TINY)), jnp.int32)), jnp.float32)
   # Eligible = occupied with a positive weight (zero-weight items are never drawn).
   # occ_tree's root (size) and node 0 (the zero-weight count) are read once (inplace.once)
   # so the flag below orders them before a later update_priorities' write of the count
