@@ -131,7 +131,9 @@ def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_r
   if spec.touch_stamps:
     # Row r's stamp is clock + rank, as if inserted one at a time; advance the
     # clock first (like next_key): stamp ages order the heap trees.
-    columns["touched"] = state.touched[cap] + rank.astype(jnp.uint32)
+    # The clock read once (inplace.once): re-fused into each row's consumers, some not
+    # ordered before the clock's write below, it made XLA copy ``touched`` in a scan.
+    columns["touched"] = inplace.once(state.touched[cap]) + rank.astype(jnp.uint32)
     state = state.replace(touched=state.touched.at[cap].add(n_real.astype(jnp.uint32)))
 
   if sel.is_ring(spec.remover):
@@ -206,37 +208,39 @@ def _insert_with_victims(spec, state, need, items, columns, rng):
     return state.replace(counters=c)
 
   def one(r, st):
-    def replace(st, victim):
-      vs = victim[None]
-      st = remove(spec, st, vs, jnp.ones((1,), bool), "evicted_capacity")
-      row = jax.tree_util.tree_map(lambda x: lax.dynamic_slice_in_dim(x, r, 1), items)
-      cols = dict(key=columns["key"][r][None], version=columns["version"][r][None],
-                  priority=columns["priority"][r][None],
-                  metadata={k: v[r][None] for k, v in columns["metadata"].items()})
-      if "touched" in columns:
-        cols["touched"] = columns["touched"][r][None]
-      return _write(spec, st, vs, jnp.ones((1,), bool), row, cols)
+    # Branch-free: row r's victim is removed and the row written under the mask ``go``
+    # (nothing happens for a row that is not needed, or whose own priority makes it the
+    # victim). Conditions on the state (the previous form: lax.cond per row and around the
+    # loop) made XLA copy every column and the data inside a scan (47 ms a step at C =
+    # 65,536; BUILD.md finding 14), since reads elsewhere are not ordered before them.
+    if isinstance(spec.remover, sel.Uniform):
+      k, new_wins = new_item_is_victim(spec.remover, st, columns["priority"][r],
+                                       u=jax.random.uniform(jax.random.fold_in(rng, r)))
+      victim = trees.descend_count(st.occ_tree, k[None], free=False)[0]
+    else:
+      victim = trees.best(st.remover_tree)
+      _, new_wins = new_item_is_victim(spec.remover, st, columns["priority"][r],
+                                       victim=victim)
+    # Read once (inplace.once): XLA would re-fuse these reads of the remover tree and the
+    # priority column into several consumers, not all ordered before the writes below,
+    # and copy both every row.
+    victim, new_wins = inplace.once((victim, new_wins))
+    go = (need[r] & ~new_wins)[None]
+    vs = jnp.maximum(victim, 0)[None]
+    st = remove(spec, st, vs, go, "evicted_capacity")
+    row = jax.tree_util.tree_map(lambda x: lax.dynamic_slice_in_dim(x, r, 1), items)
+    cols = dict(key=columns["key"][r][None], version=columns["version"][r][None],
+                priority=columns["priority"][r][None],
+                metadata={k: v[r][None] for k, v in columns["metadata"].items()})
+    if "touched" in columns:
+      cols["touched"] = columns["touched"][r][None]
+    st = _write(spec, st, vs, go, row, cols)
+    c = dict(st.counters)  # the new row itself evicted (Reverb counts it inserted and evicted)
+    c["evicted_capacity"] = ctr.add(c["evicted_capacity"],
+                                    (need[r] & new_wins).astype(jnp.uint32))
+    return st.replace(counters=c)
 
-    def drop(st, victim):
-      del victim
-      c = dict(st.counters)
-      c["evicted_capacity"] = ctr.add(c["evicted_capacity"], jnp.uint32(1))
-      return st.replace(counters=c)
-
-    def do(st):
-      if isinstance(spec.remover, sel.Uniform):
-        k, new_wins = new_item_is_victim(spec.remover, st, columns["priority"][r],
-                                         u=jax.random.uniform(jax.random.fold_in(rng, r)))
-        victim = trees.descend_count(st.occ_tree, k[None], free=False)[0]
-      else:
-        victim = trees.best(st.remover_tree)
-        _, new_wins = new_item_is_victim(spec.remover, st, columns["priority"][r],
-                                         victim=victim)
-      return lax.cond(new_wins, drop, replace, st, victim)
-
-    return lax.cond(need[r], do, lambda st: st, st)
-
-  return lax.cond(jnp.any(need), lambda st: lax.fori_loop(0, b, one, st), lambda st: st, state)
+  return lax.fori_loop(0, b, one, state)
 
 
 def new_item_is_victim(remover, state, priority, *, victim=None, u=None):
