@@ -143,7 +143,9 @@ def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_r
     state = _write(spec, state, slots, mask, items, columns)
     state = state.replace(write_pos=(state.write_pos + n_real) % cap)
   else:
-    n_free = cap - state.size
+    # The size read once (inplace.once): re-fused into consumers not ordered before the
+    # writes of occ_tree below, it made XLA copy the tree twice a step in a scan.
+    n_free = cap - inplace.once(state.size)
     to_free = mask & (rank < n_free)
     free_slots = trees.descend_count(state.occ_tree, jnp.where(to_free, rank, 0), free=True)
     state = _write(spec, state, free_slots, to_free, items, columns)
