@@ -182,3 +182,21 @@ def test_heap_remover_insert_in_a_scan_copies_no_data():
   copies = _capacity_copies(run, t.init(), 0)
   assert not [c for c in copies if f"[{CAP}," in c], copies  # no copy of the rows
   assert len(copies) <= 4, copies
+
+
+@pytest.mark.parametrize("remover", [fr.Lifo(), fr.Fifo(fill_holes=True), fr.Uniform()],
+                         ids=["lifo", "fifo_fill_holes", "uniform"])
+def test_non_ring_insert_then_sample_in_a_scan_copies_no_tree(remover):
+  # The free-slot count read the size (occ_tree[1]) in consumers not ordered before the
+  # tree writes: two copies of occ_tree a step (ops.insert reads it once now).
+  t = fr.make_table(fr.TableSpec(CAP, ITEM, remover=remover))
+
+  def run(s, i0):
+    def step(c, i):
+      s, acc = c
+      s = t.insert(s, _rows(4, 0), rng=jax.random.PRNGKey(i))
+      s, smp = t.sample(s, jax.random.PRNGKey(i), batch_size=8)
+      return (s, acc + jnp.sum(smp.data["obs"]) + jnp.sum(smp.info.probability)), None
+    return jax.lax.scan(step, (s, jnp.float32(0)), jnp.arange(4) + i0)[0]
+
+  assert _capacity_copies(run, t.init(), 0) == []
