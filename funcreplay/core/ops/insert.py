@@ -131,9 +131,7 @@ def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_r
   if spec.touch_stamps:
     # Row r's stamp is clock + rank, as if inserted one at a time; advance the
     # clock first (like next_key): stamp ages order the heap trees.
-    # The clock read once (inplace.once): re-fused into each row's consumers, some not
-    # ordered before the clock's write below, it made XLA copy ``touched`` in a scan.
-    columns["touched"] = inplace.once(state.touched[cap]) + rank.astype(jnp.uint32)
+    columns["touched"] = state.touched[cap] + rank.astype(jnp.uint32)
     state = state.replace(touched=state.touched.at[cap].add(n_real.astype(jnp.uint32)))
 
   if sel.is_ring(spec.remover):
