@@ -14,7 +14,7 @@ specs and op sequences). Here (the insert / update kernels: test_native_insert.p
 The calling layouts (typed operands, the direct path's checked struct) are
 tests/test_native_layouts.py's.
 
-The core suites (test_core, test_reference_model, test_staleness,
+The core suites (test_core_*, test_reference_model, test_staleness,
 test_inplace, test_table) also run against both implementations.
 """
 

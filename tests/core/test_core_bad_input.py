@@ -1,0 +1,79 @@
+"""Core contract tests, bad input: batches over capacity, wrong leaf shapes and dtypes,
+``check_items`` messages, spec validation and hashing, ``where`` mask shapes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import funcreplay as fr
+from tests.helpers import ITEM, items_from_ids
+
+# Every test here runs against both implementations (see conftest.py).
+pytestmark = pytest.mark.usefixtures("both_implementations")
+
+
+def test_batch_larger_than_capacity_is_an_error():
+  spec = fr.TableSpec(4, ITEM)
+  with pytest.raises(ValueError, match="exceeds the table capacity 4"):
+    fr.make_table(spec).insert(fr.make_table(spec).init(), items_from_ids(np.arange(5)))
+
+
+def test_insert_wrong_shape_or_dtype_names_the_leaf():
+  spec = fr.TableSpec(4, ITEM)
+  table = fr.make_table(spec)
+  bad = {"x": jnp.zeros((2,), jnp.int32), "y": jnp.zeros((2, 3), jnp.float32)}
+  with pytest.raises(ValueError, match=r"\['y'\].*expected shape \[B, 2\]"):
+    table.insert(table.init(), bad)
+  bad = {"x": jnp.zeros((2,), jnp.float32), "y": jnp.zeros((2, 2), jnp.float32)}
+  with pytest.raises(TypeError, match=r"\['x'\].*expected dtype int32"):
+    table.insert(table.init(), bad)
+
+
+def test_check_items_reports_leaf_expected_and_got():
+  sig = fr.Signature(ITEM)
+  with pytest.raises(ValueError, match="structure does not match"):
+    fr.check_items(sig, {"x": np.zeros((2,), np.int32)})
+  with pytest.raises(TypeError, match=r"\['y'\]: expected dtype float32, got float64"):
+    fr.check_items(sig, {"x": np.zeros((2,), np.int32), "y": np.zeros((2, 2))})
+  with pytest.raises(ValueError, match="disagree on the batch size"):
+    fr.check_items(sig, {"x": np.zeros((2,), np.int32), "y": np.zeros((3, 2), np.float32)})
+  leaves, b = fr.check_items(sig, {"x": 3, "y": np.zeros((2,), np.float32)}, batched=False)
+  assert b == 1 and leaves[0].dtype == np.int32
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(capacity=0), "capacity"),
+    (dict(capacity=4, sampler="uniform"), "sampler must be one of"),
+    (dict(capacity=4, remover=fr.Prioritized()), "remover must be one of"),
+    (dict(capacity=4, max_times_sampled=-1), "max_times_sampled"),
+    (dict(capacity=4, max_staleness=-2), "max_staleness"),
+    (dict(capacity=4, metadata=("key",)), "built-in column"),
+    (dict(capacity=4, metadata=("a", "a")), "duplicate"),
+    (dict(capacity=4, default_priority=float("nan")), "default_priority"),
+])
+def test_spec_validation(kwargs, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    fr.TableSpec(signature=ITEM, **kwargs)
+
+
+def test_float64_signature_rejected_without_x64():
+  with pytest.raises(TypeError, match="float64"):
+    fr.TableSpec(4, {"x": np.zeros((2,), np.float64)})
+
+
+def test_specs_are_hashable_and_compare_by_value():
+  a = fr.TableSpec(4, ITEM, sampler=fr.Prioritized(0.5))
+  b = fr.TableSpec(4, {"x": np.zeros((), np.int32), "y": np.zeros((2,), np.float32)},
+                   sampler=fr.Prioritized(0.5))
+  assert a == b and hash(a) == hash(b)
+  assert a != a.replace(capacity=5)
+
+
+def test_where_mask_shape_is_checked():
+  spec = fr.TableSpec(4, ITEM)
+  table = fr.make_table(spec)
+  with pytest.raises(ValueError, match="bool mask of shape \\[4\\]"):
+    table.sample(table.init(), jax.random.PRNGKey(0), batch_size=2, where=jnp.ones((3,), bool))

@@ -1,0 +1,81 @@
+"""Core contract tests, trees: the occupancy and sum trees' incremental refreshes equal a
+rebuild bit for bit, and the blocked weight descent takes the binary descent's path."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+# Every test here runs against both implementations (see conftest.py).
+pytestmark = pytest.mark.usefixtures("both_implementations")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 40), st.lists(st.tuples(st.integers(0, 39), st.integers(0, 1),
+                                              st.booleans()), min_size=1, max_size=12))
+def test_count_tree_refresh_equals_rebuild(capacity, updates):
+  """The one-scatter-add refresh of the occupancy tree matches a from-scratch build."""
+  from funcreplay.core import trees
+  p = 1 << max(0, (capacity - 1).bit_length())
+  leaves = np.zeros(p, np.int32)
+  tree = trees.build_sum(jnp.asarray(leaves))
+  seen, slots, values, valid = set(), [], [], []
+  for slot, value, ok in updates:
+    slot %= capacity
+    ok = ok and slot not in seen  # valid slots are distinct (the documented contract)
+    seen |= {slot} if ok else set()
+    slots.append(slot), values.append(value), valid.append(ok)
+    if ok:
+      leaves[slot] = value
+  tree = trees.refresh_count(tree, jnp.asarray(slots, jnp.int32), jnp.asarray(values, jnp.int32),
+                             jnp.asarray(valid))
+  np.testing.assert_array_equal(np.asarray(tree), np.asarray(trees.build_sum(jnp.asarray(leaves))))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 300), st.lists(st.tuples(st.integers(0, 299), st.floats(0, 10, width=32)),
+                                     min_size=1, max_size=6), st.integers(0, 2**16))
+def test_sum_tree_block_refresh_is_bit_identical(capacity, updates, seed):
+  """Few updates recompute 4 levels per step, many 2: the same bits, and those of a
+  tree built from scratch (every node fl(left + right) of its children)."""
+  from funcreplay.core import trees
+  p = 1 << max(0, (capacity - 1).bit_length())
+  leaves = np.random.default_rng(seed).random(p).astype(np.float32)
+  tree = trees.build_sum(jnp.asarray(leaves))
+  slots = np.array([s % capacity for s, _ in updates], np.int32)
+  values = np.array([v for _, v in updates], np.float32)
+  _, last = np.unique(slots[::-1], return_index=True)  # one value per slot
+  keep = np.zeros(len(slots), bool)
+  keep[len(slots) - 1 - last] = True
+  few = trees.refresh_sum(tree, jnp.asarray(slots), jnp.asarray(values), jnp.asarray(keep))
+  pad = 200 - len(slots)  # > 128 entries: the other block size
+  many = trees.refresh_sum(tree, jnp.asarray(np.r_[slots, np.zeros(pad, np.int32)]),
+                           jnp.asarray(np.r_[values, np.zeros(pad, np.float32)]),
+                           jnp.asarray(np.r_[keep, np.zeros(pad, bool)]))
+  np.testing.assert_array_equal(np.asarray(few).view(np.uint32), np.asarray(many).view(np.uint32))
+  leaves[slots[keep]] = values[keep]
+  np.testing.assert_array_equal(np.asarray(few).view(np.uint32),
+                                np.asarray(trees.build_sum(jnp.asarray(leaves))).view(np.uint32))
+  np.testing.assert_allclose(np.asarray(few[1]), leaves.astype(np.float64).sum(), rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 12), st.floats(0, 1), st.integers(0, 2**16))
+def test_blocked_weight_descent_is_the_binary_descent(log_p, zero_frac, seed):
+  """``descend_weight_blocked`` (2 levels per step) takes the binary descent's path, bit
+  for bit, zero-weight leaves and targets at the interval ends included."""
+  from funcreplay.core import inplace, trees
+  rng = np.random.default_rng(seed)
+  p = 1 << log_p
+  leaves = (rng.random(p) * (rng.random(p) >= zero_frac)).astype(np.float32)
+  leaves[rng.integers(p)] = 1.0
+  tree = trees.build_sum(jnp.asarray(leaves))
+  u = np.r_[rng.random(61), 0.0, 1.0 - 2**-24].astype(np.float32) * np.asarray(tree[1])
+  want = trees.descend_weight(tree, jnp.asarray(u))
+  for levels, top_depth in ((1, 13), (2, 13), (3, 13), (2, 0), (2, 3), (3, 4)):
+    got = trees.descend_weight_blocked(tree, jnp.asarray(u), inplace.materialize, levels,
+                                       top_depth)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
