@@ -1,4 +1,4 @@
-"""One process of the two-process sharded-table test (run by test_sharding.py).
+"""One process of the two-process sharded-table test (run by test_sharding_processes.py).
 
 Usage: python tests/distributed/sharding_worker.py PORT PROCESS_ID NUM_PROCESSES
 

@@ -1,0 +1,98 @@
+"""Sharded table (funcreplay.distributed): every shard equals a plain table driven with
+its inputs, and global queries / invariants equal an unsharded table's.
+
+The tests here need 8 devices (the ``mesh`` fixture of conftest.py skips them otherwise);
+in a process with fewer, ``test_suite_on_8_cpu_devices`` (test_sharding_processes.py)
+re-runs them in a subprocess with 8 fake CPU devices.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import funcreplay as fr
+from funcreplay import distributed as frs
+from tests.distributed.common import (
+  ITEM,
+  SAMPLE_ARGS,
+  N,
+  count_of,
+  leaf_equal,
+  stats_of,
+  tagged_items,
+)
+
+
+def _jit(t):
+  return dict(insert=jax.jit(t.insert), sample=jax.jit(t.sample, static_argnames=SAMPLE_ARGS[:2]),
+              update=jax.jit(t.update_priorities), delete=jax.jit(t.delete))
+
+
+def test_sharded_ops_equal_per_shard_tables(mesh):
+  """Every shard of the sharded state equals a plain table driven with that shard's inputs."""
+  spec = fr.TableSpec(4 * 8, ITEM, sampler=fr.Prioritized(0.7), max_times_sampled=2,
+                      max_staleness=3)
+  t = frs.make_sharded_table(spec, mesh)
+  js, jl = _jit(t), _jit(t.local)
+  st = jax.jit(t.init)()
+  assert st.occupied.shape == (N, 8) and st.occupied.sharding.spec[0] == "data"
+  refs = [t.local.init() for _ in range(N)]
+  rng = jax.random.PRNGKey(3)
+  masks = np.array([[1, 1, 1, 1, 1], [1, 0, 1, 0, 0], [0] * 5, [1] * 5], bool)
+  for step in range(4):
+    items = tagged_items(N, 5, 100 * step)
+    st = js["insert"](st, items, version=step, mask=masks)
+    refs = [jl["insert"](r, jax.tree_util.tree_map(lambda x, s=s: x[s], items), version=step,
+                         priority=jnp.max(jnp.stack([q.max_priority for q in refs])),
+                         mask=masks[s]) for s, r in enumerate(refs)]
+    rng, k = jax.random.split(rng)
+    st, batch = js["sample"](st, k, batch_size=3, version=step + 1)
+    outs = []
+    for s in range(N):
+      refs[s], out = jl["sample"](refs[s], jax.random.fold_in(k, s), batch_size=3,
+                                  version=step + 1)
+      outs.append(out)
+    for s in range(N):
+      np.testing.assert_array_equal(batch.info.slot[s], outs[s].info.slot)
+      np.testing.assert_allclose(batch.info.probability[s], outs[s].info.probability / N,
+                                 rtol=1e-6)
+      np.testing.assert_array_equal(batch.data["tag"][s], outs[s].data["tag"])
+    new_p = jnp.arange(N * 3, dtype=jnp.float32).reshape(N, 3) + 0.5
+    st = js["update"](st, batch.info.slot, batch.info.key, new_p)
+    refs = [jl["update"](refs[s], batch.info.slot[s], batch.info.key[s], new_p[s])
+            for s in range(N)]
+  for s in range(N):
+    leaf_equal(jax.tree_util.tree_map(lambda x, s=s: x[s], st), refs[s])
+  # Global queries are the sums / maxima of the per-shard ones.
+  assert count_of(t, st) == sum(int(r.size) for r in refs)
+  assert count_of(t, st, version=9) == sum(count_of(t.local, r, version=9) for r in refs)
+  got = stats_of(t, st)
+  per = [stats_of(t.local, r) for r in refs]
+  for k in ("size", "inserts", "samples", "evicted_reuse", "evicted_capacity",
+            "sampled_staleness_sum", "removed_reuse_sum"):
+    assert got[k] == sum(p[k] for p in per), k
+  assert got["max_priority"] == max(p["max_priority"] for p in per)
+  assert got["capacity"] == 32
+  elig = np.asarray(t.eligible(st, version=6))
+  np.testing.assert_array_equal(elig, np.stack([t.local.eligible(r, version=6) for r in refs]))
+
+
+def test_invariants_match_unsharded_table(mesh):
+  """Same items into a sharded and an unsharded table: same sizes, counters, eligibility."""
+  spec = fr.TableSpec(4 * 6, ITEM, max_staleness=2)
+  t = frs.make_sharded_table(spec, mesh)
+  u = fr.make_table(spec)
+  st, su = jax.jit(t.init)(), u.init()
+  for step in range(3):
+    items = tagged_items(N, 2, 10 * step)
+    st = jax.jit(t.insert)(st, items, version=step)
+    su = jax.jit(u.insert)(su, jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:]),
+                                                      items), version=step)
+  for v in (None, 2, 4, 5):
+    assert count_of(t, st, version=v) == count_of(u, su, version=v), v
+  assert stats_of(t, st) == stats_of(u, su)
+  assert bool(t.can_sample(st, 6)) == bool(u.can_sample(su, 6))
+  st2 = jax.jit(t.evict_stale)(st, 4)
+  su2 = u.evict_stale(su, 4)
+  assert stats_of(t, st2) == stats_of(u, su2)
+  assert count_of(t, st2) == int(su2.size) == 8  # only version 2's 8 items are fresh
