@@ -67,3 +67,33 @@ def counts(fn, *args, donate_argnums=(), big: int = 1 << 16, **kwargs) -> Dict[s
   """``text_counts`` of ``jax.jit(fn, donate_argnums=...)`` compiled for ``args``."""
   compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*args, **kwargs).compile()
   return text_counts(compiled.as_text(), big)
+
+
+# What XLA:CPU runs as one operation of a loop body (a thunk): not these.
+_FREE = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
+
+
+def loop_body_ops(hlo_text: str) -> Dict[str, int]:
+  """``{while body name: number of operations}`` of optimized HLO text.
+
+  XLA:CPU runs each iteration of a ``while`` (a ``lax.scan`` step) through its dataflow
+  executor, which allocates a node per operation and counts down their dependencies every
+  iteration, so a step of small operations costs in proportion to their number (BUILD.md
+  "Lean portable programs", finding 15). On XLA:GPU each is a kernel launch."""
+  comps, cur = {}, None
+  for line in hlo_text.splitlines():
+    m = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+    if m and line.rstrip().endswith("{"):
+      cur = comps.setdefault(m.group(1), [])
+    elif line.startswith("}"):
+      cur = None
+    elif cur is not None:
+      cur.append(line)
+  out = {}
+  for body in re.findall(r"body=%([\w.\-]+)", hlo_text):
+    n = 0
+    for line in comps.get(body, []):
+      op = _OPCODE.search(_COMMENT.sub("", line.split(", metadata=")[0]))
+      n += bool(op) and op.group(1) not in _FREE
+    out[body] = n
+  return out

@@ -97,24 +97,31 @@ def pack(signature: sig_lib.Signature, rows: bool, tree: Any, nlead: int):
 
 
 def put_one(signature: sig_lib.Signature, rows: bool, data: Any, item: Any, start):
-  """``data`` with one item (leaves ``[1, *leaf_shape]``) written at slot ``start``: one
-  ``dynamic_update_slice`` per leaf, into its words of the row (or its column).
+  """``data`` with one item (leaves ``[1, *leaf_shape]``) written at slot ``start``.
 
-  Packing the row first would be a ``concatenate``: one more operation for XLA:CPU, fed
-  by one more per leaf (the leaves' slices out of a ``lax.scan`` input stay separate);
-  written leaf by leaf, each slice fuses into its own in-place update."""
+  Columns: one ``dynamic_update_slice`` per leaf. Rows: the row's words are built by one
+  elementwise expression (each leaf bit-cast and padded to its words of the row, the
+  pads OR-ed; the words outside a leaf's range are 0) and written by one
+  ``dynamic_update_slice``. XLA fuses that expression, with the leaves' slices out of a
+  ``lax.scan`` input, into the in-place update: one operation where a ``concatenate``
+  (which XLA:CPU runs as its own operation, fed by one more per leaf) or a write per leaf
+  would be six or five (in-scan insert b1: 0.50 -> 0.22 us for the row write alone,
+  BUILD.md finding 15). For B rows the OR form is slower than the concatenation (every
+  output word evaluates every pad: 16 rows 2.0 -> 3.8 us), so ``pack`` keeps it."""
   leaves = signature.treedef.flatten_up_to(item)
   if not rows:
     cols = signature.treedef.flatten_up_to(data)
     return jax.tree_util.tree_unflatten(signature.treedef, [
         lax.dynamic_update_slice_in_dim(c, jnp.asarray(x).astype(c.dtype), start, 0)
         for c, x in zip(cols, leaves)])
-  at = 0
+  r, at, row = width(signature), 0, None
   for x, leaf in zip(leaves, signature.leaves):
     words = lax.bitcast_convert_type(jnp.asarray(x).astype(leaf.dtype), jnp.uint32)
-    data = lax.dynamic_update_slice(data, words.reshape(1, -1), (start, jnp.int32(at)))
-    at += math.prod(leaf.shape)
-  return data
+    n = math.prod(leaf.shape)
+    padded = lax.pad(words.reshape(1, n), jnp.uint32(0), [(0, 0, 0), (at, r - at - n, 0)])
+    row = padded if row is None else row | padded
+    at += n
+  return lax.dynamic_update_slice(data, row, (start, jnp.int32(0)))
 
 
 def unpack(signature: sig_lib.Signature, rows: bool, data: Any, nlead: int):

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -160,6 +161,28 @@ def add_count(tree: jnp.ndarray, slots: jnp.ndarray, delta: jnp.ndarray,
   nodes = jnp.where(valid[None, :], leaf[None, :] >> levels, 2 * p)  # leaf .. root
   return tree.at[nodes.reshape(-1)].add(
       jnp.broadcast_to(delta[None, :], nodes.shape).reshape(-1), mode="drop")
+
+
+def add_one(tree: jnp.ndarray, slots: jnp.ndarray, where: jnp.ndarray) -> jnp.ndarray:
+  """1 added to the leaves ``slots`` (int32 ``[K]``, distinct where ``where``) of an integer
+  count tree ``[2P]`` where ``where`` (bool ``[K]``), and to all their ancestors, by one
+  scatter-add whose only computed operand is the node indices (``add_count`` with
+  deltas of 1 and 0, one operation fewer; neither gathers the tree).
+
+  The entries not added go out of range (dropped), and the added values are a constant
+  literal: ones for the ``depth + 1`` levels and a last, always dropped, row of zeros, so
+  that the constant is not uniform (XLA turns a uniform constant into a broadcast, which
+  it runs as one more operation each step of a scan; ``add_count``'s computed values are
+  one more too: XLA:CPU's executor pays per operation, BUILD.md finding 15)."""
+  p = tree.shape[0] // 2
+  d = depth(p) + 1
+  # numpy constants: literals in the program (an iota-based mask is hoisted out of a
+  # ``lax.scan`` as an operation run on every call, see ledger_update).
+  levels = np.arange(d + 1, dtype=np.int32)[:, None]
+  live = where[None, :] & (levels < d)
+  nodes = jnp.where(live, (p + slots[None, :]) >> levels, 2 * p)  # leaf .. root, dropped
+  ones = np.repeat((levels[:, 0] < d).astype(tree.dtype), slots.shape[0])
+  return tree.at[nodes.reshape(-1)].add(ones, mode="drop")
 
 
 def total(tree: jnp.ndarray) -> jnp.ndarray:

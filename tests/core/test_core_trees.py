@@ -79,3 +79,24 @@ def test_blocked_weight_descent_is_the_binary_descent(log_p, zero_frac, seed):
     got = trees.descend_weight_blocked(tree, jnp.asarray(u), inplace.materialize, levels,
                                        top_depth)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 40), st.lists(st.tuples(st.integers(0, 39), st.booleans()),
+                                    min_size=1, max_size=12))
+def test_add_one_equals_rebuild(capacity, updates):
+  """``trees.add_one`` (the ring insert's occupancy update) matches a from-scratch build:
+  1 added at the distinct slots marked, nothing at the others."""
+  from funcreplay.core import trees
+  p = 1 << max(0, (capacity - 1).bit_length())
+  leaves = np.zeros(p, np.int32)
+  tree = trees.build_sum(jnp.asarray(leaves))
+  seen, slots, where = set(), [], []
+  for slot, ok in updates:
+    slot %= capacity
+    ok = ok and slot not in seen
+    seen |= {slot} if ok else set()
+    slots.append(slot), where.append(ok)
+    leaves[slot] += ok
+  tree = trees.add_one(tree, jnp.asarray(slots, jnp.int32), jnp.asarray(where))
+  np.testing.assert_array_equal(np.asarray(tree), np.asarray(trees.build_sum(jnp.asarray(leaves))))

@@ -9,8 +9,8 @@ one the general path gives (tests/core/test_lean.py).
 Work (B static): one read of ``occupied`` and ``times_sampled`` at the B
 slots (the victims and their reuse counts; ``_take``), one write per column (a
 ``dynamic_update_slice`` for B = 1, else a B-row scatter), one scatter-add of
-the occupancy deltas (1 - the victim's occupancy) to the B leaves and their
-ancestors (O(B log P), ``trees.add_count``), one
+1 to the leaves of the free victims and their ancestors (O(B log P),
+``trees.add_one``), one
 float sum-tree refresh for a ``Prioritized`` sampler, the version index only
 with ``max_staleness``, and one ledger rewrite. Nothing else: no remover tree
 (a ring needs none), no cumsum over a mask, no condition, no loop.
@@ -56,7 +56,7 @@ def _take(col, slots, start):
   XLA:CPU's parallel task assignment splits across its threads (it prices a gather by
   the operand it reads, here > 256 KB): each such hand-off cost ~1 us a step, most of a
   small insert (in-scan B = 2: 4.4-4.8 -> 2.8-3.0 us a step with the windows and
-  ``trees.add_count``; BUILD.md finding 14; tests/core/test_lean.py counts the split
+  a tree update without a gather; BUILD.md finding 14; tests/core/test_lean.py counts the split
   gathers)."""
   if slots.shape[0] == 1:
     return col[jnp.concatenate([slots, slots])][:1]
@@ -128,9 +128,10 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     new_versions = after(versions, jnp.sum(old_versions.astype(jnp.uint32), dtype=jnp.uint32))
 
   put = lambda col, x: _put(col, slots, x, start)  # noqa: E731
-  # Each leaf goes from the victim's occupancy to 1: a scatter-add of the deltas, without
-  # refresh_count's gather of the old leaves (a split gather, see _take).
-  occ_tree = trees.add_count(state.occ_tree, slots, 1 - old_occ.astype(jnp.int32))
+  # Each leaf goes from the victim's occupancy to 1: 1 added where the victim was free (a
+  # scatter-add with constant values, trees.add_one), without refresh_count's gather of
+  # the old leaves (a split gather, see _take).
+  occ_tree = trees.add_one(state.occ_tree, slots, ~old_occ)
   weight_tree = state.weight_tree
   if spec.prioritized:
     w = indexes.sample_weight(spec, jnp.ones((b,), bool), prios)
@@ -156,7 +157,7 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
                                       jnp.asarray([True, False]))
     else:
       weight_tree = trees.refresh_sum(weight_tree, slots, w)
-  if b == 1:  # leaf by leaf (storage.put_one: no concatenate)
+  if b == 1:  # one fused row write (storage.put_one: no concatenate)
     data = storage.put_one(spec.signature, spec.packed_rows, state.data, items, start)
   else:
     data = jax.tree_util.tree_map(
