@@ -10,7 +10,10 @@ gather). Cases (K steps per jitted scan call):
 - ``insert b1`` per step (``insert1``: 50-step scans; ``insert1-1k``: 1000-step scans,
   the per-step cost inside the loop without the per-call cost spread over 50 steps);
 - ``prioritized sample b256 + update_priorities`` per step (write-back of
-  ``|reward| + 0.01``; ours without replacement, flashbax with).
+  ``|reward| + 0.01``; ours without replacement, flashbax with);
+- ``prioritized-small`` (not run by default): the same with batches of 8 and 32;
+- ``removers`` (not run by default, ``bench_scan_removers.py``): insert 16 + prioritized
+  sample 64 + update a step into a full table with each of Reverb's removers.
 
 Ours: ``make_table(spec, native=False)`` (the portable programs; the lean ones
 where they apply, BUILD.md "Lean portable programs") and ``native=True`` (the
@@ -47,6 +50,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
+from experiments import bench_scan_removers as removers  # noqa: E402
 from experiments.timing import Holder, consume, example, measure, transitions  # noqa: E402
 from funcreplay.core import hlo, ops  # noqa: E402
 from funcreplay.core.sampling import uniform_lean  # noqa: E402
@@ -58,6 +62,10 @@ STEPS = 50
 # 1000 steps show the per-step cost inside the loop, where a training step runs.
 LONG_STEPS = 1000
 INS, SMP = 16, 256
+# ``prioritized-small``: the batches of a small learner (or one that samples often), where
+# the step's fixed costs show (BUILD.md finding 14: a hidden copy of the weight tree cost
+# 4.5x there, invisible at 256).
+SMALL_BATCHES = (8, 32)
 
 
 class LeanRing:
@@ -162,14 +170,15 @@ def uniform_runners(tables, fbx, fill, xs16, xs1, target_s, xs1_long):
   return runners
 
 
-def prioritized_runners(tables, fbx, fill, target_s, platform="cpu"):
-  runners = {}
+def prioritized_runners(tables, fbx, fill, target_s, platform="cpu", batch=SMP):
+  """``prio`` (``batch`` = 256) or ``prio<batch>``: prioritized sample + update a step."""
+  runners, kind = {}, _prio_kind(batch)
 
   def step_fn(t):
     def f(s, i0):
       def body(c, _):
         s, acc, v = c
-        s, smp = t.sample(s, jax.random.PRNGKey(v), batch_size=SMP)
+        s, smp = t.sample(s, jax.random.PRNGKey(v), batch_size=batch)
         s = t.update_priorities(s, smp.info.slot, smp.info.key,
                                 jnp.abs(smp.data["reward"]) + 0.01)
         return (s, acc + consume((smp.data, smp.info.probability)), v + 1), None
@@ -180,8 +189,10 @@ def prioritized_runners(tables, fbx, fill, target_s, platform="cpu"):
 
   for name, t in tables.items():
     h = _filled(t, fill)
-    runners[f"{name} prio"] = h.runner(jax.jit(step_fn(t), donate_argnums=0), target_s=target_s)
-  buf = fbx.make_prioritised_item_buffer(max_length=CAPACITY, min_length=1, sample_batch_size=SMP,
+    runners[f"{name} {kind}"] = h.runner(jax.jit(step_fn(t), donate_argnums=0),
+                                         target_s=target_s)
+  buf = fbx.make_prioritised_item_buffer(max_length=CAPACITY, min_length=1,
+                                         sample_batch_size=batch,
                                          add_batches=True, priority_exponent=0.6,
                                          device=platform)
   h = _fbx_filled(buf, fill)
@@ -195,8 +206,12 @@ def prioritized_runners(tables, fbx, fill, target_s, platform="cpu"):
     (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), None, length=STEPS)
     return s, acc
 
-  runners["flashbax prio"] = h.runner(jax.jit(fprio, donate_argnums=0), target_s=target_s)
+  runners[f"flashbax {kind}"] = h.runner(jax.jit(fprio, donate_argnums=0), target_s=target_s)
   return runners
+
+
+def _prio_kind(batch):
+  return "prio" if batch == SMP else f"prio{batch}"
 
 
 def hlo_counts(fbx):
@@ -270,8 +285,12 @@ def run(a):
       print(f"HLO {k:<30} {v}")
   for case in a.cases.split(","):
     spec = fr.TableSpec(CAPACITY, example())
-    if case == "prioritized":
+    if case.startswith("prioritized"):
       spec = spec.replace(sampler=fr.Prioritized(0.6))
+    if case == "removers":  # its own specs, capacity and peer (bench_scan_removers.py)
+      report(case, removers.runners(fbx, a.target_s, platform), removers.KINDS, a.rounds,
+             removers.STEPS)
+      continue
     tables = {"portable": fr.make_table(spec, native=False)}
     if platform == "cpu" and a.native:  # elsewhere native=True runs the portable programs
       tables["native"] = fr.make_table(spec, native=True)
@@ -281,27 +300,40 @@ def run(a):
       runners = uniform_runners(tables, fbx, fill, xs16, xs1, a.target_s, xs1_long)
       kinds = ("scan", "smp-ins", "insert1", "insert1-1k")
     else:
-      runners = prioritized_runners(tables, fbx, fill, a.target_s, platform)
-      kinds = ("prio",)
-    secs = measure(runners, a.rounds)
-    cpu = {k: float(np.median(r.cpu_times)) for k, r in runners.items()}
-    for kind in kinds:
-      f, fc = secs[f"flashbax {kind}"], cpu[f"flashbax {kind}"]
-      for name in tables:
-        s, c = secs[f"{name} {kind}"], cpu[f"{name} {kind}"]
-        spread = np.ptp(runners[f"{name} {kind}"].times) / s
-        n = LONG_STEPS if kind.endswith("-1k") else STEPS
-        print(f"{case:<12} {kind:<10} {name:<9} {s / n * 1e6:9.2f} us/step  flashbax "
-              f"{f / n * 1e6:9.2f} us/step  ratio {f / s:5.2f}x  (spread {spread:.0%}; "
-              f"process CPU time ratio {fc / c:5.2f}x)")
+      batches = SMALL_BATCHES if case == "prioritized-small" else (SMP,)
+      runners = {}
+      for b in batches:
+        runners.update(prioritized_runners(tables, fbx, fill, a.target_s, platform, b))
+      kinds = tuple(_prio_kind(b) for b in batches)
+    report(case, runners, kinds, a.rounds, STEPS, tables)
     del runners
+
+
+def report(case, runners, kinds, rounds, steps, names=None):
+  """Measure ``runners`` (``"<name> <kind>"``, ``"flashbax <kind>"`` the peer) round-robin
+  and print each one's time a step and ratio to the peer (wall, and process CPU time)."""
+  secs = measure(runners, rounds)
+  cpu = {k: float(np.median(r.cpu_times)) for k, r in runners.items()}
+  for kind in kinds:
+    f, fc = secs[f"flashbax {kind}"], cpu[f"flashbax {kind}"]
+    ours = names if names is not None else [
+        k[:-len(kind) - 1] for k in runners if k.endswith(f" {kind}") and
+        not k.startswith("flashbax ")]
+    for name in ours:
+      s, c = secs[f"{name} {kind}"], cpu[f"{name} {kind}"]
+      spread = np.ptp(runners[f"{name} {kind}"].times) / s
+      n = LONG_STEPS if kind.endswith("-1k") else steps
+      print(f"{case:<12} {kind:<10} {name:<9} {s / n * 1e6:9.2f} us/step  flashbax "
+            f"{f / n * 1e6:9.2f} us/step  ratio {f / s:5.2f}x  (spread {spread:.0%}; "
+            f"process CPU time ratio {fc / c:5.2f}x)")
 
 
 if __name__ == "__main__":
   from absl import app, flags
   flags.DEFINE_integer("rounds", OPTIONS["rounds"], "interleaved rounds (medians reported)")
   flags.DEFINE_float("target_s", OPTIONS["target_s"], "seconds per timed batch of calls")
-  flags.DEFINE_string("cases", OPTIONS["cases"], "comma-separated: uniform, prioritized")
+  flags.DEFINE_string("cases", OPTIONS["cases"],
+                      "comma-separated: uniform, prioritized, prioritized-small, removers")
   flags.DEFINE_bool("hlo", OPTIONS["hlo"], "print the HLO operation counts first")
   flags.DEFINE_bool("ring", OPTIONS["ring"], "also the lean sample with ring slots (no holes)")
   flags.DEFINE_bool("native", OPTIONS["native"],
