@@ -114,3 +114,15 @@ def test_insert_kernel_in_hlo_and_in_place():
   after = [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves(st) if a.size >= 4096]
   assert before == after
   assert int(st.size) == 4096
+
+
+@pytest.mark.parametrize("b, mask, kernel", [(1, False, False), (1, True, True),
+                                             (2, False, True)])
+def test_one_row_ring_insert_runs_the_lean_program(b, mask, kernel):
+  """One row into the ring without a mask runs the lean JAX program on a native table (the
+  faster executor there, ops.insert); a mask or more rows run the kernel."""
+  t = _table(fr.TableSpec(4096, ITEM, sampler=fr.Prioritized(0.6)))
+  kw = {"mask": jnp.ones((b,), bool)} if mask else {}
+  f = jax.jit(lambda s, x: t.insert(s, x, **kw))
+  text = f.lower(t.init(), items_from_ids(np.arange(b))).compile().as_text()
+  assert ("funcreplay_fifo_insert" in text) == kernel
