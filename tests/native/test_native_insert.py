@@ -116,12 +116,15 @@ def test_insert_kernel_in_hlo_and_in_place():
   assert int(st.size) == 4096
 
 
-@pytest.mark.parametrize("b, mask, kernel", [(1, False, False), (1, True, True),
-                                             (2, False, True)])
-def test_one_row_ring_insert_runs_the_lean_program(b, mask, kernel):
-  """One row into the ring without a mask runs the lean JAX program on a native table (the
-  faster executor there, ops.insert); a mask or more rows run the kernel."""
-  t = _table(fr.TableSpec(4096, ITEM, sampler=fr.Prioritized(0.6)))
+@pytest.mark.parametrize("b, mask, extra, kernel", [
+    (1, False, {}, False), (1, True, {}, True), (2, False, {}, True),
+    (1, False, dict(sampler=fr.Prioritized(0.6)), True), (1, False, dict(max_staleness=3), True),
+    (1, False, dict(metadata=("task",)), True)])
+def test_one_row_ring_insert_runs_the_lean_program(b, mask, extra, kernel):
+  """One row into the plain ring, without a mask, runs the lean JAX program on a native
+  table (the faster executor there, ops.insert); a mask, more rows, a Prioritized sampler,
+  max_staleness or metadata run the kernel."""
+  t = _table(fr.TableSpec(4096, ITEM, **extra))
   kw = {"mask": jnp.ones((b,), bool)} if mask else {}
   f = jax.jit(lambda s, x: t.insert(s, x, **kw))
   text = f.lower(t.init(), items_from_ids(np.arange(b))).compile().as_text()

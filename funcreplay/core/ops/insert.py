@@ -56,7 +56,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     rng: PRNG key, required only by the ``Uniform`` remover.
     native: an executor (``core.executor``) whose CPU kernel runs where one
       applies (``fr.make_table`` passes ``funcreplay.native``'s), except for one
-      row into a ``Fifo`` ring, where the lean JAX program is faster; other
+      row into the ``Fifo`` ring of a table with no ``Prioritized`` sampler,
+      ``max_staleness`` or metadata, where the lean JAX program is faster; other
       backends, and None, run the JAX implementation.
 
   Returns:
@@ -112,10 +113,14 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     return state.replace(counters=c, max_priority=max_p)
 
   native = executor.check(native, "insert")
-  # One row into the ring: the lean program is the faster executor of the same algorithm
-  # (in-scan 0.79 us a step against the kernel's 1.05; an XLA:CPU custom call alone costs
-  # 0.85, BUILD.md finding 14), so it runs for native tables too. Static: B and the mask.
-  one_row_ring = b == 1 and all_rows and insert_lean.applies(spec)
+  # One row into the plain ring (no weight tree, no version index, no metadata): the lean
+  # program is the faster executor of the same algorithm there (in-scan 0.80 us a step
+  # against the kernel's 1.05; an XLA:CPU custom call alone costs 0.85, BUILD.md findings
+  # 14-15), so it runs for native tables too. Not otherwise: with a Prioritized sampler
+  # the lean program costs 3.75 us (its sum-tree refresh), with max_staleness 4.57 (the
+  # version index), the kernel 1.13 / 1.04. Static: B, the mask and the spec.
+  one_row_ring = (b == 1 and all_rows and not spec.prioritized and spec.max_staleness is None
+                  and not spec.metadata and insert_lean.applies(spec))
   if native and not one_row_ring and native.supports_insert(spec) and native.available():
     return lax.platform_dependent(
         state, cpu=lambda st: native.insert(spec, st, items, mask, versions, prios,
