@@ -56,6 +56,7 @@ from funcreplay.core import hlo, ops  # noqa: E402
 from funcreplay.core.sampling import uniform_lean  # noqa: E402
 
 CAPACITY = 1 << 18
+FILL_CHUNK = 1 << 14  # rows per insert while filling (CAPACITY a multiple of it)
 STEPS = 50
 # ``insert1-1k``: the one-item insert in a 1000-step scan as well. A call has a fixed cost
 # (dispatch of the state's buffers, the loop's entry) that 50 steps of ~1 us do not hide;
@@ -269,8 +270,8 @@ def main(argv):
 def run(a):
   """Print the HLO counts (``a.hlo``) and the in-scan ratios of ``a.cases``."""
   import flashbax as fbx
-  chunk = jax.device_put(transitions(1 << 14, seed=1))
-  fill = [chunk] * (CAPACITY // (1 << 14))
+  chunk = jax.device_put(transitions(FILL_CHUNK, seed=1))
+  fill = [chunk] * (CAPACITY // FILL_CHUNK)
   steps = transitions(STEPS * INS, seed=3)
   xs16 = jax.device_put({k: v.reshape((STEPS, INS) + v.shape[1:]) for k, v in steps.items()})
   xs1 = jax.device_put({k: v[:STEPS, None] for k, v in steps.items()})

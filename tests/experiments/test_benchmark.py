@@ -8,6 +8,7 @@ JSON and the table. The core section must produce well-formed rows.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -171,3 +172,22 @@ def test_numpy_ring_reference_wraps():
   assert ring.data["reward"].tolist() == [second[2], second[3], first[2], second[0], second[1]]
   s = ring.sample(16)
   assert s["obs"].shape == (16, bench_core.OBS) and set(s["reward"]) <= set(ring.data["reward"])
+
+
+def test_bench_scan_runs_every_case_at_a_tiny_size(monkeypatch, capsys):
+  """``bench_scan.py``'s cases (issue 25's in-scan benchmark) run end to end and print a
+  ratio for each kind: at 4,096 rows (1,024 for the removers), one round, portable only."""
+  from experiments import bench_scan, bench_scan_removers
+  monkeypatch.setattr(bench_scan, "CAPACITY", 1 << 12)
+  monkeypatch.setattr(bench_scan, "FILL_CHUNK", 1 << 10)
+  monkeypatch.setattr(bench_scan_removers, "CAPACITY", 1 << 10)
+  monkeypatch.setattr(bench_scan_removers, "FILL_CHUNK", 1 << 8)
+  bench_scan.start(rounds=1, target_s=0.001, hlo=True, native=False,
+                   cases="uniform,prioritized,prioritized-small,removers")
+  out = capsys.readouterr().out
+  assert "HLO uniform sample b256" in out
+  kinds = ["scan", "smp-ins", "insert1", "insert1-1k", "prio", "prio8", "prio32"]
+  for kind in kinds:
+    assert re.search(rf" {kind} +portable .* ratio +[0-9.]+x", out), (kind, out)
+  for remover in bench_scan_removers.REMOVERS:
+    assert re.search(rf"removers +{remover} .* ratio +[0-9.]+x", out), (remover, out)
