@@ -141,8 +141,12 @@ def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_r
   if spec.touch_stamps:
     # Row r's stamp is clock + rank, as if inserted one at a time; advance the
     # clock first (like next_key): stamp ages order the heap trees.
-    columns["touched"] = state.touched[cap] + rank.astype(jnp.uint32)
-    state = state.replace(touched=state.touched.at[cap].add(n_real.astype(jnp.uint32)))
+    # The clock is read once and its write computed from that read, so the read is
+    # ordered before the in-place write (as ``.add``, the write did not wait for the
+    # stamps' reads, and XLA copied ``touched`` every step of a scan).
+    clock = inplace.once(state.touched[cap])
+    columns["touched"] = clock + rank.astype(jnp.uint32)
+    state = state.replace(touched=state.touched.at[cap].set(clock + n_real.astype(jnp.uint32)))
 
   if sel.is_ring(spec.remover):
     slots = (state.write_pos + rank) % cap

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import executor, indexes
+from funcreplay.core import executor, indexes, inplace
 from funcreplay.core.ops import priorities_lean
 from funcreplay.core.ops.rows import key_matches as _key_matches
 from funcreplay.core.ops.rows import last_occurrence
@@ -62,7 +62,10 @@ def general_update_priorities(spec: TableSpec, state: TableState, slots, keys, p
     # Reverb's heaps break ties by the least recent insert *or update*: update
     # k of this call gets stamp clock + k (a later duplicate wins, later stamp).
     k, cap = slots.shape[0], spec.capacity
-    clock = state.touched[cap]
+    # Read once (inplace.once): every use of the clock below is then computed from that one
+    # read, which is thus ordered before the in-place writes (re-fused into the last write,
+    # the read came after the stamps' scatter and XLA copied ``touched`` twice a step).
+    clock = inplace.once(state.touched[cap])
     touched = state.touched.at[jnp.where(win, safe, cap + 1)].set(
         clock + jnp.arange(k, dtype=jnp.uint32), mode="drop")
     state = state.replace(touched=touched.at[cap].set(clock + jnp.uint32(k)))
