@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict
 
-from funcreplay.core import storage
+from funcreplay.core import item_info, storage
 from funcreplay.core.ledger import LEDGER_FIELDS, ledger_fields, pack_ledger
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState, register_dataclass
@@ -19,7 +19,9 @@ class StateRecord:
 
   The checkpoint format stores this layout (one named array per leaf:
   ``.write_pos``, ``.counters['inserts']``, ...), so checkpoints do not
-  depend on how the ledger packs its words. Fields as in ``TableState``;
+  depend on how the ledger packs its words; nor on ``item_info``'s packing:
+  ``key``, ``version``, ``times_sampled`` and ``priority`` are stored as the
+  columns ``TableState``'s properties of those names read. Fields as in ``TableState``;
   ``write_pos``, ``next_key``, ``max_priority``, ``limiter_diff`` and
   ``counters`` as its properties describe.
   """
@@ -44,7 +46,8 @@ class StateRecord:
   counters: Dict[str, Any]
 
 
-_COLUMN_FIELDS = tuple(f.name for f in dataclasses.fields(TableState) if f.name != "ledger")
+_COLUMN_FIELDS = tuple(f.name for f in dataclasses.fields(TableState)
+                       if f.name not in ("ledger", "item_info"))
 
 
 def to_record(state: TableState, spec: TableSpec, nlead: int = 1) -> StateRecord:
@@ -53,6 +56,7 @@ def to_record(state: TableState, spec: TableSpec, nlead: int = 1) -> StateRecord
   ``nlead``: slot axes (2 for a sharded state). Numpy in, numpy out."""
   fields = {name: getattr(state, name) for name in _COLUMN_FIELDS}
   fields["data"] = storage.to_columns(spec, state.data, nlead)
+  fields.update({name: item_info.column(state.item_info, name) for name in item_info.FIELDS})
   return StateRecord(**fields, **ledger_fields(state))
 
 
@@ -60,5 +64,7 @@ def from_record(record: StateRecord, spec: TableSpec, nlead: int = 1) -> TableSt
   """The ``TableState`` of a ``StateRecord`` for ``spec`` (the inverse of ``to_record``)."""
   fields = {name: getattr(record, name) for name in _COLUMN_FIELDS}
   fields["data"] = storage.from_columns(spec, record.data, nlead)
+  fields["item_info"] = item_info.pack(**{name: getattr(record, name)
+                                          for name in item_info.FIELDS})
   return TableState(**fields,
                     ledger=pack_ledger(**{name: getattr(record, name) for name in LEDGER_FIELDS}))

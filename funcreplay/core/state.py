@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from funcreplay.core import counters as ctr
+from funcreplay.core import item_info as info_words
 from funcreplay.core import staleness, storage
 from funcreplay.core.ledger import COUNTER_SLOTS as _COUNTER_SLOTS
 from funcreplay.core.ledger import COUNTERS, LEDGER_FIELDS, ledger_fields, pack_ledger
@@ -39,10 +40,14 @@ class TableState:
       (``"rows"``) or the item pytree with a leading ``[C]`` axis on every leaf
       (``"columns"``); ``funcreplay.core.storage``.
     occupied: bool[C].
-    key: uint32[C], the item's unique id (its insertion index modulo 2**32).
-    version: int32[C], the policy version that produced the item.
-    times_sampled: int32[C].
-    priority: float32[C] (used by prioritized and heap selectors).
+    item_info: uint32[C, 4], each slot's key, version, times sampled and
+      priority (its float32 bits), read through the properties ``key``
+      (uint32[C], the item's unique id: its insertion index modulo 2**32),
+      ``version`` (int32[C], the policy version that produced it),
+      ``times_sampled`` (int32[C]) and ``priority`` (float32[C], used by
+      prioritized and heap selectors). One row per slot, so an insert writes
+      the four with one update and a sample reads them with one gather
+      (``funcreplay.core.item_info``).
     metadata: dict name -> int32[C] user columns.
     occ_tree: int32[2P] occupancy count tree (size = ``occ_tree[1]``); its
       otherwise unused node 0 counts the occupied items of zero sampling
@@ -72,10 +77,7 @@ class TableState:
 
   data: Any
   occupied: jnp.ndarray
-  key: jnp.ndarray
-  version: jnp.ndarray
-  times_sampled: jnp.ndarray
-  priority: jnp.ndarray
+  item_info: jnp.ndarray
   metadata: Dict[str, jnp.ndarray]
   occ_tree: jnp.ndarray
   weight_tree: jnp.ndarray
@@ -86,13 +88,43 @@ class TableState:
   ledger: jnp.ndarray
 
   def replace(self, **changes) -> "TableState":
-    """A copy with ``changes``; ``LEDGER_FIELDS`` are repacked into ``ledger``."""
+    """A copy with ``changes``; ``LEDGER_FIELDS`` are repacked into ``ledger``, and
+    whole columns of ``item_info.FIELDS`` into ``item_info`` (O(C) each: the
+    operations write B rows with ``item_info.put`` / ``put_field`` instead)."""
     packed = {name: changes.pop(name) for name in LEDGER_FIELDS if name in changes}
     if packed:
       if "ledger" in changes:
         raise TypeError(f"replace: pass either ledger or {sorted(packed)}, not both.")
       changes["ledger"] = pack_ledger(**{**ledger_fields(self), **packed})
+    columns = {name: changes.pop(name) for name in info_words.FIELDS if name in changes}
+    if columns:
+      if "item_info" in changes:
+        raise TypeError(f"replace: pass either item_info or {sorted(columns)}, not both.")
+      words = self.item_info
+      for name, values in columns.items():
+        words = info_words.set_column(words, name, values)
+      changes["item_info"] = words
     return dataclasses.replace(self, **changes)
+
+  @property
+  def key(self):
+    """uint32[C] each slot's item key (its insertion index modulo 2**32)."""
+    return info_words.column(self.item_info, "key")
+
+  @property
+  def version(self):
+    """int32[C] the policy version that produced each slot's item."""
+    return info_words.column(self.item_info, "version")
+
+  @property
+  def times_sampled(self):
+    """int32[C] how often each slot's item was sampled."""
+    return info_words.column(self.item_info, "times_sampled")
+
+  @property
+  def priority(self):
+    """float32[C] each slot's priority."""
+    return info_words.column(self.item_info, "priority")
 
   @property
   def write_pos(self):
@@ -185,10 +217,7 @@ def init_state(spec: TableSpec) -> TableState:
   state = TableState(
       data=storage.empty(spec.signature, spec.packed_rows, (c,)),
       occupied=jnp.zeros((c,), bool),
-      key=jnp.zeros((c,), jnp.uint32),
-      version=jnp.zeros((c,), jnp.int32),
-      times_sampled=jnp.zeros((c,), jnp.int32),
-      priority=jnp.zeros((c,), jnp.float32),
+      item_info=info_words.empty(c),
       metadata={name: jnp.zeros((c,), jnp.int32) for name in spec.metadata},
       occ_tree=jnp.zeros((2 * p,), jnp.int32),
       weight_tree=jnp.zeros((2 * p if spec.prioritized else 0,), jnp.float32),

@@ -49,7 +49,7 @@ from funcreplay.core import packing, powers
 from funcreplay.core.spec import TableSpec
 from funcreplay.native import build
 
-_ABI_VERSION = 6  # direct.cc's kAbiVersion
+_ABI_VERSION = 7  # direct.cc's kAbiVersion
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -63,9 +63,8 @@ class SampleArgs(ctypes.Structure):
       "abi", "batch", "capacity", "replace", "max_times_sampled", "n_data", "version",
       "min_valid", "max_staleness", "min_size", "has_min_diff", "q", "q_min", "tree_nodes",
       "hist_size", "ledger_words", "out_bytes")] + [(name, _PTR) for name in (
-      "row_bytes", "src_stride", "packed", "ledger_layout", "key", "occupied", "keys",
-      "versions", "times", "priority", "occ_tree", "weight_tree", "ledger", "hist", "bounds",
-      "out", "data", "flags")]
+      "row_bytes", "src_stride", "packed", "ledger_layout", "key", "occupied", "item_info",
+      "occ_tree", "weight_tree", "ledger", "hist", "bounds", "out", "data", "flags")]
 
 
 class UpdateArgs(ctypes.Structure):
@@ -73,8 +72,7 @@ class UpdateArgs(ctypes.Structure):
   _fields_ = [("abi", _I64), ("capacity", _I64), ("tree_nodes", _I64), ("alpha_bits", _I64),
               ("pow_words", _PTR), ("ledger_words", _I64), ("ledger_layout", _PTR), ("k", _I64),
               ("slots", _PTR), ("row_keys", _PTR), ("priorities", _PTR), ("occupied", _PTR),
-              ("keys", _PTR), ("priority", _PTR), ("weight_tree", _PTR), ("occ_tree", _PTR),
-              ("ledger", _PTR)]
+              ("item_info", _PTR), ("weight_tree", _PTR), ("occ_tree", _PTR), ("ledger", _PTR)]
 
 
 _ERRORS = {1: "the Python and C++ sides disagree on the ABI version (rebuild the kernels)",
@@ -208,10 +206,8 @@ class DirectSampler:
     jax.block_until_ready(state)
     a, u = self._args, self._update
     a.occupied = u.occupied = _pointer(state.occupied)
-    a.keys = u.keys = _pointer(state.key)
-    a.versions = _pointer(state.version)
-    a.times = _pointer(state.times_sampled)
-    a.priority = u.priority = _pointer(state.priority)
+    # item_info itself (uint32[C, 4], written in place): state.key & co. are copies.
+    a.item_info = u.item_info = _pointer(state.item_info)
     a.occ_tree = u.occ_tree = _pointer(state.occ_tree)
     a.weight_tree = u.weight_tree = _pointer(state.weight_tree)
     a.ledger = u.ledger = _pointer(state.ledger)

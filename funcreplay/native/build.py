@@ -13,7 +13,9 @@ hashes the sources, the jaxlib version and the compiler command, so a changed
 kernel or jaxlib rebuilds. Building takes ~3 s; concurrent processes (pytest
 workers) each build into a private temporary file and rename it into place.
 
-Any failure (no compiler, headers missing, load error) is reported once as a
+Any failure (no compiler, headers missing, load error, a library whose
+``TableState.item_info`` columns, ``csrc/item_info.h``, are not those of
+``funcreplay.core.item_info``: ``check_item_info``) is reported once as a
 warning and the portable JAX implementation is used instead.
 """
 
@@ -31,6 +33,8 @@ from typing import Optional
 
 import jax
 import jaxlib
+
+from funcreplay.core import item_info
 
 # The C++ sources live beside this module in csrc/ (shipped as package data).
 _HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
@@ -90,6 +94,28 @@ def _build(cxx: str) -> str:
   return path
 
 
+def item_info_layout() -> str:
+  """``funcreplay.core.item_info``'s columns in the format of ``funcreplay_item_info_layout``
+  (direct.cc): ``key:0;version:1;times_sampled:2;priority:3;width:4``."""
+  cols = item_info.COLUMNS
+  return (f"key:{cols['key']};version:{cols['version']};"
+          f"times_sampled:{cols['times_sampled']};priority:{cols['priority']};"
+          f"width:{item_info.WIDTH}")
+
+
+def check_item_info(lib) -> None:
+  """Raise unless the library's item_info layout (csrc/item_info.h) is
+  ``funcreplay.core.item_info``'s (the source of truth): a kernel reading another column
+  than the portable code writes would give wrong results, never an error."""
+  fn = lib.funcreplay_item_info_layout
+  fn.argtypes = []
+  fn.restype = ctypes.c_char_p
+  theirs, ours = fn().decode(), item_info_layout()
+  if theirs != ours:
+    raise RuntimeError(f"the kernels' item_info layout ({theirs}; csrc/item_info.h) is not "
+                       f"funcreplay.core.item_info's ({ours}): update item_info.h")
+
+
 def load() -> bool:
   """Build (if needed), load and register the kernels; True on success. Cached."""
   if _state["loaded"] is not None:
@@ -102,6 +128,7 @@ def load() -> bool:
       if cxx is None:
         raise RuntimeError("no C++ compiler found (set $CXX)")
       lib = ctypes.cdll.LoadLibrary(_build(cxx))
+      check_item_info(lib)
       for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")

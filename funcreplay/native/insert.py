@@ -40,12 +40,13 @@ def insert(spec: TableSpec, state: TableState, items, mask, versions, prios, met
   data_leaves, data_def = jax.tree_util.tree_flatten(state.data)
   # The kernel's calling layout (FifoInsertImpl in csrc/kernels.cc): the rows (typed
   # there), a row per metadata column and item leaf, then the state, each state operand
-  # aliased to the result of the same column (which is typed).
+  # aliased to the result of the same column (which is typed). ``item_info`` goes whole
+  # (uint32[C, 4]): the kernel writes each new item's row in place; the properties
+  # ``state.key`` & co. are strided copies, never operands.
   rows = [mask, versions, prios, weights, jnp.asarray(n_bad, jnp.uint32)]
   tail_rows = [*[meta_rows[k] for k in meta_names], *item_leaves]
-  fixed_state = [state.occupied, state.key, state.version, state.times_sampled, state.priority,
-                 state.occ_tree, state.weight_tree, state.ledger, state.version_hist,
-                 state.version_bounds]
+  fixed_state = [state.occupied, state.item_info, state.occ_tree, state.weight_tree,
+                 state.ledger, state.version_hist, state.version_bounds]
   state_ops = [*fixed_state, *[state.metadata[k] for k in meta_names], *data_leaves]
   state_at = len(rows) + len(tail_rows)
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops]
@@ -54,12 +55,10 @@ def insert(spec: TableSpec, state: TableState, items, mask, versions, prios, met
   res = call(*rows, *tail_rows, *state_ops, capacity=spec.capacity, n_meta=len(meta_names),
              n_data=len(data_leaves), ledger=native.ledger_attr(spec))
   n_fixed = len(fixed_state)
-  (occupied, key, version, times, priority, occ_tree, weight_tree, ledger, hist,
-   bounds) = res[:n_fixed]
+  occupied, item_info, occ_tree, weight_tree, ledger, hist, bounds = res[:n_fixed]
   k = n_fixed + len(meta_names)
   metadata = dict(zip(meta_names, res[n_fixed:k]))
   data = jax.tree_util.tree_unflatten(data_def, res[k:])
   return state.replace(
-      data=data, occupied=occupied, key=key, version=version, times_sampled=times,
-      priority=priority, metadata=metadata, occ_tree=occ_tree, weight_tree=weight_tree,
-      ledger=ledger, version_hist=hist, version_bounds=bounds)
+      data=data, occupied=occupied, item_info=item_info, metadata=metadata, occ_tree=occ_tree,
+      weight_tree=weight_tree, ledger=ledger, version_hist=hist, version_bounds=bounds)

@@ -29,14 +29,15 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
     weights = indexes.sample_weight(spec, jnp.ones((k,), bool), clean)
   else:
     weights = jnp.zeros((0,), jnp.float32)
-  state_ops = [state.occupied, state.key, state.priority, state.weight_tree, state.ledger,
-               state.occ_tree]
+  # item_info whole (uint32[C, 4]): the kernel checks each row's key and writes its
+  # priority word in place.
+  state_ops = [state.occupied, state.item_info, state.weight_tree, state.ledger, state.occ_tree]
   rows = [slots, keys, priorities, weights]
   call = jax.ffi.ffi_call(
       "funcreplay_update_priorities", [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops],
       vmap_method="sequential",
       input_output_aliases={len(rows) + i: i for i in range(len(state_ops))})
-  occupied, key, priority, weight_tree, ledger, occ_tree = call(
+  occupied, item_info, weight_tree, ledger, occ_tree = call(
       *rows, *state_ops, capacity=spec.capacity, ledger=native.ledger_attr(spec))
-  return state.replace(occupied=occupied, key=key, priority=priority, weight_tree=weight_tree,
+  return state.replace(occupied=occupied, item_info=item_info, weight_tree=weight_tree,
                        ledger=ledger, occ_tree=occ_tree)

@@ -22,6 +22,8 @@ from funcreplay.core import ops
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import Sample, SampleInfo, TableState
 
+_STATE_COLUMNS = 7  # occupied, item_info, occ_tree, weight_tree, ledger, version_hist/bounds
+
 
 def _typed(rng) -> bool:
   return jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key)
@@ -60,9 +62,10 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
   params = jnp.stack([jnp.asarray(ver if has_version else 0, jnp.int32),
                       jnp.int32(1) if enabled is None else jnp.asarray(enabled).astype(jnp.int32)])
   data_leaves, data_def = jax.tree_util.tree_flatten(state.data)
-  state_ops = [state.occupied, state.key, state.version, state.times_sampled, state.priority,
-               state.occ_tree, state.weight_tree, state.ledger, state.version_hist,
-               state.version_bounds, *data_leaves]
+  # item_info whole (uint32[C, 4]): the kernel reads the sampled rows and counts
+  # times_sampled in place (kStateColumns in csrc/ffi_binding.h: seven columns).
+  state_ops = [state.occupied, state.item_info, state.occ_tree, state.weight_tree,
+               state.ledger, state.version_hist, state.version_bounds, *data_leaves]
   key_words = _key_words(rng)
   operands = [key_words, params, where if where is not None else jnp.zeros((0,), bool),
               *state_ops]
@@ -86,8 +89,8 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
              split_key=bool(split_key), packed=offsets, ledger=native.ledger_attr(spec),
              fields=field_words(spec))
   n_state = len(state_ops)
-  occupied, key, version, times, priority, occ_tree, weight_tree, ledger, hist, bounds = res[:10]
-  new_data = res[10:n_state]
+  occupied, item_info, occ_tree, weight_tree, ledger, hist, bounds = res[:_STATE_COLUMNS]
+  new_data = res[_STATE_COLUMNS:n_state]
   if layout is not None:
     out, n_valid, num_eligible, next_words = res[n_state:]
   else:
@@ -101,9 +104,9 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
                  info=info, num_eligible=num_eligible)
 
   state = state.replace(
-      data=jax.tree_util.tree_unflatten(data_def, new_data), occupied=occupied, key=key,
-      version=version, times_sampled=times, priority=priority, occ_tree=occ_tree,
-      weight_tree=weight_tree, ledger=ledger, version_hist=hist, version_bounds=bounds)
+      data=jax.tree_util.tree_unflatten(data_def, new_data), occupied=occupied,
+      item_info=item_info, occ_tree=occ_tree, weight_tree=weight_tree, ledger=ledger,
+      version_hist=hist, version_bounds=bounds)
   next_key = next_words
   if _typed(rng):
     next_key = jax.random.wrap_key_data(next_key, impl=jax.random.key_impl(rng))

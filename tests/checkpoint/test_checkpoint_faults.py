@@ -194,8 +194,8 @@ def test_mismatched_spec_names_the_difference(saved, change, message):
 def test_bad_save_arguments(tmp_path):
   spec = pairing_spec(0)
   state = fr.make_table(spec).init()
-  with pytest.raises(ValueError, match=r"state.priority is float32\[7\]"):
-    ck.save(tmp_path / "a", state.replace(priority=jnp.zeros((7,), jnp.float32)), spec)
+  with pytest.raises(ValueError, match=r"state.key is uint32\[7\]"):
+    ck.save(tmp_path / "a", state.replace(item_info=jnp.zeros((7, 4), jnp.uint32)), spec)
   with pytest.raises(TypeError, match="extra must be JSON"):
     ck.save(tmp_path / "b", state, spec, extra=object())
   with pytest.raises(TypeError, match="TableState"):

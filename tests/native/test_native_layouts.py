@@ -37,9 +37,8 @@ def _run(target, operands, out_like, aliases, **attrs):
 
 
 def _state_columns(state):
-  return [state.occupied, state.key, state.version, state.times_sampled, state.priority,
-          state.occ_tree, state.weight_tree, state.ledger, state.version_hist,
-          state.version_bounds]
+  return [state.occupied, state.item_info, state.occ_tree, state.weight_tree, state.ledger,
+          state.version_hist, state.version_bounds]
 
 
 def test_sample_kernel_refuses_a_reordered_operand():
@@ -71,6 +70,24 @@ def test_sample_kernel_refuses_a_reordered_operand():
     call([key, params, where], swapped)
 
 
+def test_kernels_name_an_item_info_of_the_wrong_shape():
+  """item_info is uint32[C, 4]: the binding types its dtype and rank, the kernels its
+  shape (element count 4 * C, four words a row), naming it."""
+  rows, state, tail_rows, tail_state = _insert_layout()
+  info = state[1]
+  for bad in (info[:8], info.reshape(32, 2)):  # too few rows; the right count, 2 a row
+    with pytest.raises(Exception, match=r"funcreplay_fifo_insert: operand item_info has "
+                                        r"\d+ elements \(shape \[\d+,\d+\]\), expected "
+                                        r"4 \* C = 64"):
+      _insert(rows, [state[0], bad, *state[2:]], tail_rows, tail_state)
+  urows, cols = _update_layout()
+  with pytest.raises(Exception, match=r"funcreplay_update_priorities: operand item_info has 32 "
+                                      r"elements"):
+    _update(urows, [cols[0], cols[1][:8], *cols[2:]])
+  with pytest.raises(Exception, match=r"bad operands at: 6\)[\s\S]*Wrong buffer rank"):
+    _update(urows, [cols[0], cols[1].reshape(-1), *cols[2:]])  # flat: the old column rank
+
+
 # The insert kernel's calling layout, as funcreplay/native/insert.py builds it.
 INSERT_SPEC = fr.TableSpec(16, {"x": np.zeros(2, np.float32)}, sampler=fr.Prioritized(0.6),
                            metadata=("seed",))
@@ -100,8 +117,9 @@ def test_insert_kernel_runs_the_real_layout():
   rows, state, tail_rows, tail_state = _insert_layout()
   out = _insert(rows, state, tail_rows, tail_state)
   np.testing.assert_array_equal(out[0][:B], True)  # occupied: the rows went in
-  np.testing.assert_array_equal(out[10][:B], np.arange(B))  # the metadata column
-  np.testing.assert_array_equal(out[11][:B], 1.0)  # the item leaf
+  np.testing.assert_array_equal(out[1][:B, 0], np.arange(B))  # item_info: the keys
+  np.testing.assert_array_equal(out[7][:B], np.arange(B))  # the metadata column
+  np.testing.assert_array_equal(out[8][:B], 1.0)  # the item leaf
 
 
 def test_insert_kernel_refuses_reordered_fixed_operands():
@@ -137,7 +155,7 @@ def test_insert_kernel_names_a_tail_or_count_that_does_not_fit():
   short = [rows[0], rows[1][:2], *rows[2:]]
   with pytest.raises(Exception, match="operand version has 2 elements, expected 3"):
     _insert(short, state, tail_rows, tail_state)
-  with pytest.raises(Exception, match=r"expected n_meta \+ n_data = 2 rows, the ten state"):
+  with pytest.raises(Exception, match=r"expected n_meta \+ n_data = 2 rows, the seven state"):
     _insert(rows, state, tail_rows[:1], tail_state)
 
 
@@ -151,8 +169,7 @@ def _update_layout():
   prios = jnp.asarray([3.0, 0.25], jnp.float32)
   rows = [slots, state.key[slots], prios,
           indexes.sample_weight(spec, jnp.ones((2,), bool), prios)]
-  cols = [state.occupied, state.key, state.priority, state.weight_tree, state.ledger,
-          state.occ_tree]
+  cols = [state.occupied, state.item_info, state.weight_tree, state.ledger, state.occ_tree]
   return rows, cols
 
 
@@ -164,7 +181,8 @@ def _update(rows, cols):
 
 def test_update_kernel_runs_the_real_layout():
   rows, cols = _update_layout()
-  np.testing.assert_array_equal(_update(rows, cols)[2][:2], [3.0, 0.25])  # the priorities
+  info = np.asarray(_update(rows, cols)[1])
+  np.testing.assert_array_equal(info[:2, 3].view(np.float32), [3.0, 0.25])  # the priorities
 
 
 def test_update_kernel_refuses_reordered_or_wrong_dtype_operands():
@@ -175,8 +193,8 @@ def test_update_kernel_refuses_reordered_or_wrong_dtype_operands():
     _update([keys, slots, *rest], cols)
   with pytest.raises(Exception, match=r"bad operands at: 2\)[\s\S]*expected F32 but got S32"):
     _update([slots, keys, rows[2].astype(jnp.int32), rows[3]], cols)
-  swapped = [cols[0], cols[1], cols[2], cols[3], cols[5], cols[4]]  # ledger <-> occ_tree
-  with pytest.raises(Exception, match=r"bad operands at: 9, 10\)[\s\S]*Wrong buffer"):
+  swapped = [cols[0], cols[1], cols[2], cols[4], cols[3]]  # ledger <-> occ_tree
+  with pytest.raises(Exception, match=r"bad operands at: 8, 9\)[\s\S]*Wrong buffer"):
     _update(rows, swapped)
   with pytest.raises(Exception, match="funcreplay_update_priorities: operand weights has 0 "
                                       "elements, expected 2"):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import executor, indexes, inplace, staleness, storage, trees
+from funcreplay.core import executor, indexes, inplace, item_info, staleness, storage, trees
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
 from funcreplay.core.ops import insert_lean
@@ -178,22 +178,21 @@ def _write(spec, state, slots, write, items, columns):
   def put(col, x):
     return col.at[idx].set(x, mode="drop")
 
-  version_col = state.version
+  info = state.item_info
   if spec.max_staleness is not None:
     # remove read versions of these slots into the index: overwrite them after.
-    version_col = inplace.tie(version_col, inplace.never((state.version_hist,
-                                                          state.version_bounds)))
+    info = inplace.tie(info, inplace.never((state.version_hist, state.version_bounds)))
   hist, bounds = staleness.add(spec, state.version_hist, state.version_bounds,
                                columns["version"], write)
+  rows = item_info.pack(key=columns["key"], version=columns["version"],
+                        times_sampled=0,
+                        priority=columns["priority"])
 
   state = state.replace(
       data=_scatter_rows(state.data, slots,
                          storage.pack(spec.signature, spec.packed_rows, items, 1), write),
       occupied=put(state.occupied, True),
-      key=put(state.key, columns["key"]),
-      version=put(version_col, columns["version"]),
-      times_sampled=put(state.times_sampled, 0),
-      priority=put(state.priority, columns["priority"]),
+      item_info=put(info, rows),
       metadata={k: put(v, columns["metadata"][k]) for k, v in state.metadata.items()},
       version_hist=hist, version_bounds=bounds,
   )
@@ -214,6 +213,7 @@ def _insert_with_victims(spec, state, need, items, columns, rng):
   as inserted and evicted at once and the table is unchanged.
   """
   b = need.shape[0]
+  columns = jax.tree_util.tree_map(jnp.asarray, columns)  # host rows: indexed by the loop's r
   if rng is None:
     rng = jax.random.PRNGKey(0)  # unused by deterministic removers
   if isinstance(spec.remover, sel.Lifo):  # the new item is always the newest: every row goes

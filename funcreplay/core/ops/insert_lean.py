@@ -6,8 +6,9 @@ The B rows go to slots ``(write_pos + r) mod C``, ``r < B``, as in the
 general ``ops.insert``, and the resulting ``TableState`` is bit for bit the
 one the general path gives (tests/core/test_lean.py).
 
-Work (B static): one read of ``occupied`` and ``times_sampled`` at the B
-slots (the victims and their reuse counts; ``_take``), one write per column (a
+Work (B static): one read of ``occupied`` and ``item_info`` at the B
+slots (the victims and their reuse counts; ``_take``), one write of the data
+rows, of ``occupied`` and of the four ``item_info`` words (each a
 ``dynamic_update_slice`` for B = 1, else a B-row scatter), one scatter-add of
 1 to the leaves of the free victims and their ancestors (O(B log P),
 ``trees.add_one``), one
@@ -22,9 +23,10 @@ from typing import Any, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from funcreplay.core import indexes, powers, staleness, storage, trees
+from funcreplay.core import indexes, item_info, powers, staleness, storage, trees
 from funcreplay.core import ledger_update as ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
@@ -43,6 +45,8 @@ def applies(spec: TableSpec, *, mask=None) -> bool:
 
 
 def _rows(x, b, dtype):
+  if isinstance(x, (bool, int, float, np.ndarray, np.generic)):  # host stays host (rows.rows)
+    return np.broadcast_to(np.asarray(x).astype(dtype), (b,))
   return jnp.broadcast_to(jnp.asarray(x), (b,)).astype(dtype)
 
 
@@ -64,12 +68,13 @@ def _take(col, slots, start):
   lo = jnp.minimum(start, c - b)
   before = lax.dynamic_slice_in_dim(col, lo, b, 0)
   after_wrap = lax.slice_in_dim(col, 0, b, axis=0)
-  return jnp.where(slots >= lo, before[jnp.clip(slots - lo, 0, b - 1)],
+  in_window = (slots >= lo).reshape((b,) + (1,) * (col.ndim - 1))
+  return jnp.where(in_window, before[jnp.clip(slots - lo, 0, b - 1)],
                    after_wrap[jnp.clip(slots, 0, b - 1)])
 
 
 def _put(col, slots, x, start):
-  """``col[slots] = x`` (slots contiguous modulo C from ``start``)."""
+  """``col[slots] = x`` (slots contiguous modulo C from ``start``; ``x`` [B, ...])."""
   if slots.shape[0] == 1:  # one row never wraps: an in-place dynamic_update_slice
     return lax.dynamic_update_slice_in_dim(col, x.astype(col.dtype), start, 0)
   return col.at[slots].set(x.astype(col.dtype), unique_indices=True)
@@ -112,20 +117,22 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     occ2 = jnp.concatenate([old_occ, jnp.zeros((1,), bool)])
     lo = jnp.sum(jnp.where(occ2, state.times_sampled[two], 0)).astype(jnp.uint32)
     reuse_sum = (jnp.uint32(0), lo)
+    old = None
   else:
-    reuse = _take(state.times_sampled, slots, start)
-    reuse_sum = ledger.total(reuse, old_occ)
+    old = item_info.unpack(_take(state.item_info, slots, start))  # the victims' rows
+    reuse_sum = ledger.total(old["times_sampled"], old_occ)
+  # Reads of item_info whose results do not feed its write below: one reduction of them
+  # orders them first (inplace.after), else XLA would copy item_info.
+  read = reuse_sum[0] ^ reuse_sum[1]
 
   hist, bounds = state.version_hist, state.version_bounds
-  new_versions = versions
   if spec.max_staleness is not None:  # the same order as ops.insert: advance, remove, add
     every = jnp.ones((b,), bool)
-    old_versions = _take(state.version, slots, start)
+    old_versions = (_take(state.version, slots, start) if old is None else old["version"])
     hist, bounds = staleness.advance(spec, hist, bounds, versions, every)
     hist, bounds = staleness.on_remove(spec, hist, bounds, old_versions, old_occ)
     hist, bounds = staleness.add(spec, hist, bounds, versions, every)
-    # The victims' versions are read above: order that read before the column's write.
-    new_versions = after(versions, jnp.sum(old_versions.astype(jnp.uint32), dtype=jnp.uint32))
+    read = read ^ jnp.sum(old_versions.astype(jnp.uint32), dtype=jnp.uint32)
 
   put = lambda col, x: _put(col, slots, x, start)  # noqa: E731
   # Each leaf goes from the victim's occupancy to 1: 1 added where the victim was free (a
@@ -144,9 +151,10 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
       n_old_zero = count_read(state.priority, slots, old_occ,
                               lambda p: ~powers.positive(p, alpha))
     else:
-      old_zero = ~powers.positive(_take(state.priority, slots, start), alpha)
+      old_zero = ~powers.positive(old["priority"], alpha)
       n_old_zero = jnp.sum(old_occ & old_zero, dtype=jnp.int32)
     zero_delta = jnp.sum(w <= 0, dtype=jnp.int32) - n_old_zero
+    read = read ^ n_old_zero.astype(jnp.uint32)
     # A two-index scatter (the second out of range, dropped): a one-index one becomes a
     # dynamic-update-slice that XLA fuses into later reads, copying the tree (indexes.refresh).
     occ_tree = occ_tree.at[jnp.array([0, 2 * spec.tree_size])].add(
@@ -162,14 +170,12 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   else:
     data = jax.tree_util.tree_map(
         put, state.data, storage.pack(spec.signature, spec.packed_rows, items, 1))
+  info_rows = item_info.pack(key=keys, version=versions,
+                            times_sampled=0, priority=prios)
   state = state.replace(
       data=data,
       occupied=put(state.occupied, after(jnp.ones((b,), bool), n_evicted)),
-      key=put(state.key, keys),
-      version=put(state.version, new_versions),
-      times_sampled=put(state.times_sampled, after(jnp.zeros((b,), jnp.int32),
-                                                        reuse_sum[0] ^ reuse_sum[1])),
-      priority=put(state.priority, after(prios, zero_delta) if spec.prioritized else prios),
+      item_info=put(state.item_info, after(info_rows, read)),
       metadata={k: put(v, _rows(metadata.get(k, 0), b, jnp.int32))
                 for k, v in state.metadata.items()},
       occ_tree=occ_tree, weight_tree=weight_tree,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import executor, indexes, inplace
+from funcreplay.core import executor, indexes, inplace, item_info
 from funcreplay.core.ops import priorities_lean
 from funcreplay.core.ops.rows import key_matches as _key_matches
 from funcreplay.core.ops.rows import last_occurrence
@@ -53,11 +53,12 @@ def general_update_priorities(spec: TableSpec, state: TableState, slots, keys, p
   safe, ok = _key_matches(state, slots, keys)
   win = last_occurrence(safe, ok)
   clean, n_bad = _sanitize_priorities(priorities, win)
-  prio = state.priority.at[jnp.where(win, safe, spec.capacity)].set(clean, mode="drop")
+  info = item_info.put_field(state.item_info, jnp.where(win, safe, spec.capacity), "priority",
+                             clean, mode="drop")
   c = dict(state.counters)
   c["invalid_priorities"] = ctr.add(c["invalid_priorities"], n_bad)
   max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(win, clean, 0.0), initial=0.0))
-  state = state.replace(priority=prio, counters=c, max_priority=max_p)
+  state = state.replace(item_info=info, counters=c, max_priority=max_p)
   if spec.touch_stamps:
     # Reverb's heaps break ties by the least recent insert *or update*: update
     # k of this call gets stamp clock + k (a later duplicate wins, later stamp).

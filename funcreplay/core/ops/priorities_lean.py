@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay.core import bits, indexes, inplace, powers, trees
+from funcreplay.core import bits, indexes, inplace, item_info, powers, trees
 from funcreplay.core import counters as ctr
 from funcreplay.core.inplace import after, materialize
-from funcreplay.core.ops.rows import count_read
+from funcreplay.core.ops.rows import count_read, holds_key
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -46,8 +46,7 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
   # consumer) and ordered before a later insert's writes of ``occupied`` / ``key``: the
   # returned ``write_pos`` (behind every insert write) depends on them (``after``), else
   # XLA copies both columns.
-  guard = materialize((in_range & state.occupied[safe] & (state.key[safe] == keys))
-                      .astype(jnp.int32))
+  guard = materialize((in_range & holds_key(state, safe, keys)).astype(jnp.int32))
   ok = guard > 0
   # Last valid occurrence of each slot: sort (slot, row) pairs, keep each run's last.
   s_slot, s_row = bits.sort_pairs(jnp.where(ok, safe, cap), cap + 1)
@@ -76,13 +75,16 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
     occ_tree = occ_tree.at[jnp.array([0, 2 * spec.tree_size])].add(
         jnp.stack([delta, 0]), mode="drop")
     written = after(clean, delta)
-  prio = state.priority.at[jnp.where(win, safe, cap)].set(written, mode="drop")
+  at, values = jnp.where(win, safe, cap), written
+  if k == 1:  # a two-index scatter (the second dropped): one index becomes a slice update
+    at, values = jnp.concatenate([at, at + cap]), jnp.concatenate([values, values])
+  info = item_info.put_field(state.item_info, at, "priority", values, mode="drop")
   max_p = jnp.maximum(state.max_priority, jnp.max(jnp.where(win, clean, 0.0), initial=0.0))
   if spec.prioritized:
     if k == 1:  # keep the per-level updates real scatters (see indexes.refresh)
       safe, w, win = (jnp.concatenate([a, a]) for a in (safe, w, win))
       win = win & jnp.asarray([True, False])
     tree = trees.refresh_sum(tree, safe, w, win)
-  return state.replace(priority=prio, weight_tree=tree, occ_tree=occ_tree, counters=c,
+  return state.replace(item_info=info, weight_tree=tree, occ_tree=occ_tree, counters=c,
                        max_priority=max_p,
                        write_pos=after(state.write_pos, inplace.witness(guard)))

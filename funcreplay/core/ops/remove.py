@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import indexes, inplace, staleness
+from funcreplay.core import indexes, inplace, item_info, staleness
 from funcreplay.core.ops.queries import stale_mask
 from funcreplay.core.ops.rows import key_matches as _key_matches
 from funcreplay.core.ops.rows import last_occurrence, take
@@ -16,11 +16,13 @@ from funcreplay.core.state import TableState
 def remove(spec: TableSpec, state: TableState, slots, mask, cause: str) -> TableState:
   """Free ``slots[mask]`` (unique), counting them under ``cause``. Trees not refreshed."""
   n = jnp.sum(mask).astype(jnp.uint32)
-  reuse = take(state.times_sampled, slots)
-  # The caller may overwrite times_sampled next (insert): order that after this read.
-  state = state.replace(times_sampled=inplace.tie(state.times_sampled, inplace.never(reuse)))
+  old = item_info.unpack(take(state.item_info, slots))  # one read of the victims' rows
+  reuse = old["times_sampled"]
+  # The caller may overwrite these rows next (insert): order that after this read, and
+  # after the reads behind ``mask`` (a key guard's reads of item_info).
+  state = state.replace(item_info=inplace.tie(state.item_info, inplace.never((reuse, mask))))
   if spec.max_staleness is not None:
-    versions = take(state.version, slots)
+    versions = old["version"]
     hist, bounds = staleness.on_remove(spec, state.version_hist, state.version_bounds,
                                        versions, mask)
     state = state.replace(version_hist=hist, version_bounds=bounds)

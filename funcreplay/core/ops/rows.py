@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from funcreplay.core.spec import TableSpec
@@ -27,10 +28,18 @@ def batch_size(spec: TableSpec, items) -> int:
 
 
 def rows(x, b, dtype, name):
-  x = jnp.asarray(x)
-  if x.ndim not in (0, 1) or (x.ndim == 1 and x.shape[0] != b):
-    raise ValueError(f"{name} must be a scalar or have shape [{b}], got {list(x.shape)}.")
-  return jnp.broadcast_to(x, (b,)).astype(dtype)
+  """``x`` (a scalar or ``[b]``) as ``dtype[b]``. Host values (Python or numpy) stay
+  numpy: constants to XLA, which ``item_info.pack`` leaves out of the row when zero and
+  otherwise ORs in as a literal (a traced constant's pad is an operation XLA hoists out
+  of a scan's loop, run on every call)."""
+  host = isinstance(x, (bool, int, float, np.ndarray, np.generic))
+  checked = jnp.asarray(x)  # the checks (dtype, range) of any input
+  if checked.ndim not in (0, 1) or (checked.ndim == 1 and checked.shape[0] != b):
+    raise ValueError(f"{name} must be a scalar or have shape [{b}], got "
+                     f"{list(checked.shape)}.")
+  if host:
+    return np.broadcast_to(np.asarray(x).astype(checked.dtype).astype(dtype), (b,))
+  return jnp.broadcast_to(checked, (b,)).astype(dtype)
 
 
 def sanitize_priorities(p, counted):
@@ -55,8 +64,21 @@ def key_matches(state: TableState, slots, keys):
   slots = jnp.asarray(slots, jnp.int32)
   in_range = (slots >= 0) & (slots < c)
   safe = jnp.where(in_range, slots, 0)
-  ok = in_range & state.occupied[safe] & (state.key[safe] == jnp.asarray(keys, jnp.uint32))
-  return safe, ok
+  return safe, in_range & holds_key(state, safe, keys)
+
+
+def holds_key(state: TableState, safe, keys):
+  """bool[K]: slot ``safe[k]`` (in range) is occupied by the item of key ``keys[k]``.
+
+  One slot: read inside a reduction (``count_read``): a one-index gather becomes a
+  dynamic slice that XLA re-fuses into the later write of ``item_info``, which then
+  reads what it overwrites (a copy of the array), and a two-index gather from it is one
+  XLA:CPU splits across its threads."""
+  keys = jnp.broadcast_to(jnp.asarray(keys, jnp.uint32), safe.shape)
+  if safe.shape[0] == 1:
+    return count_read(state.key, safe, take(state.occupied, safe),
+                      lambda k: k == keys[0])[None] > 0
+  return state.occupied[safe] & (state.key[safe] == keys)
 
 
 def count_read(col, slots, where, pred):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import indexes, ops, storage
+from funcreplay.core import indexes, item_info, ops, storage
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core.state import Sample, SampleInfo
 
@@ -27,25 +27,27 @@ def finish(spec, state, picked, prob, num_eligible, ver, replace):
   idx = jnp.where(valid, safe, cap)
   if idx.shape[0] == 1:  # keep it a scatter, not a slice update (see ops.take)
     idx = jnp.concatenate([idx, jnp.full((1,), cap, idx.dtype)])
-  times = state.times_sampled.at[idx].add(1, mode="drop")
-  state = state.replace(times_sampled=times)
+  state = state.replace(item_info=item_info.add_field(state.item_info, idx, "times_sampled", 1,
+                                                      mode="drop"))
+  # One read of the rows' info words, after the increment.
+  got = item_info.unpack(ops.take(state.item_info, safe))
   n_valid = jnp.sum(valid, dtype=jnp.int32)
   c = dict(state.counters)
   c["samples"] = ctr.add(c["samples"], n_valid)
   if ver is not None:
-    staleness = jnp.maximum(ver - ops.take(state.version, safe), 0)
+    staleness = jnp.maximum(ver - got["version"], 0)
     c["sampled_staleness_sum"] = ctr.add_sum(c["sampled_staleness_sum"], staleness, valid)
   state = state.replace(counters=c, limiter_diff=rl.update_diff(
       spec.rate_limiter, state.limiter_diff, sampled=n_valid))
   info = SampleInfo(
       slot=jnp.where(valid, safe, -1),
-      key=jnp.where(valid, ops.take(state.key, safe), jnp.uint32(0)),
+      key=jnp.where(valid, got["key"], jnp.uint32(0)),
       probability=jnp.where(valid, prob, 0.0),
-      priority=jnp.where(valid, ops.take(state.priority, safe), 0.0),
-      times_sampled=jnp.where(valid, ops.take(times, safe), 0),
-      version=jnp.where(valid, ops.take(state.version, safe), 0))
+      priority=jnp.where(valid, got["priority"], 0.0),
+      times_sampled=jnp.where(valid, got["times_sampled"], 0),
+      version=jnp.where(valid, got["version"], 0))
   if spec.max_times_sampled > 0:
-    exhausted = valid & (ops.take(times, safe) >= spec.max_times_sampled)
+    exhausted = valid & (got["times_sampled"] >= spec.max_times_sampled)
     if replace:  # a slot can appear twice: count it once (without, rows are distinct)
       exhausted = ops.last_occurrence(safe, exhausted)
     state = ops.remove(spec, state, safe, exhausted, "evicted_reuse")

@@ -226,10 +226,11 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
       prob = jnp.broadcast_to(
           fixedpoint.divide(1.0, jnp.maximum(num_eligible, 1).astype(jnp.float32)), (b,))
     tree_field = "weight_tree" if spec.prioritized else "occ_tree"
-    # _finish writes occupied (and the trees): order the reads so far (draws,
-    # fallback, counts, totals) before those writes.
+    # _finish writes occupied, item_info (and the trees): order the reads so far (draws,
+    # fallback, counts, totals, the staleness mask's versions) before those writes.
     flag = inplace.never((picked, prob, num_eligible))
     state = state.replace(occupied=inplace.tie(state.occupied, flag),
+                          item_info=inplace.tie(state.item_info, flag),
                           **{tree_field: inplace.tie(tree, flag)})
     state, out = _finish(spec, state, picked, prob, num_eligible, ver, replace)
     if touched is not None:
@@ -241,6 +242,8 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
     roots = [t[1] for t in (state.occ_tree, state.weight_tree, state.remover_tree) if t.size]
     state = inplace.settle(state, (out, roots), spec.capacity)
     return state, out
+  # _finish writes item_info: order the ordering's reads of it (priorities, versions) first.
+  state = state.replace(item_info=inplace.tie(state.item_info, inplace.never(picked)))
   return _finish(spec, state, picked, prob, num_eligible, ver, replace=False)
 
 

@@ -38,7 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from funcreplay.core import bits, fixedpoint, inplace, storage, trees
+from funcreplay.core import bits, fixedpoint, inplace, item_info, storage, trees
 from funcreplay.core import ledger_update as ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
@@ -192,23 +192,26 @@ def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, 
   """
   cap = spec.capacity
   data = gather_rows(spec, state, slot, valid)
-  times = state.times_sampled.at[jnp.where(valid, slot, cap)].add(1, mode="drop")
+  words = item_info.add_field(state.item_info, jnp.where(valid, slot, cap), "times_sampled", 1,
+                              mode="drop")
+  # One gather of the rows' four info words, after the increment (so ordered after the
+  # scatter, which stays in place; the next writers are ordered by the witness below).
+  got = item_info.unpack(words[slot])
   n_valid = jnp.sum(valid, dtype=jnp.int32)
   adds = {"samples": ledger.count(n_valid)}
-  item_version = state.version[slot]
+  item_version = got["version"]
   if version is not None:
     stale = jnp.maximum(jnp.asarray(version, jnp.int32) - item_version, 0)
     adds["sampled_staleness_sum"] = ledger.total(stale, valid)
   info = SampleInfo(
       slot=jnp.where(valid, slot, -1),
-      key=jnp.where(valid, state.key[slot], jnp.uint32(0)),
+      key=jnp.where(valid, got["key"], jnp.uint32(0)),
       probability=jnp.where(valid, prob, 0.0),
-      priority=jnp.where(valid, state.priority[slot], 0.0),
-      # Read after the increment: ordered after the scatter, so it stays in place.
-      times_sampled=jnp.where(valid, times[slot], 0),
+      priority=jnp.where(valid, got["priority"], 0.0),
+      times_sampled=jnp.where(valid, got["times_sampled"], 0),
       version=jnp.where(valid, item_version, 0))
   flag = inplace.witness((data, info, reads))
-  state = ledger.update(state.replace(times_sampled=times), adds, dict(
+  state = ledger.update(state.replace(item_info=words), adds, dict(
       limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, sampled=n_valid),
       write_pos=inplace.after(state.write_pos, flag)))
   info = dataclasses.replace(info, slot=inplace.after(info.slot, flag))

@@ -33,6 +33,7 @@
 #endif
 
 #include "common.h"
+#include "item_info.h"
 #include "powers.h"
 #include "priorities_core.h"
 #include "sample_core.h"
@@ -70,10 +71,7 @@ namespace {
   X(const int64_t*, ledger_layout) /* [kLNumEntries + 3] */                     \
   X(uint32_t*, key)            /* uint32[2] threefry key, advanced in place */  \
   X(bool*, occupied)           /* bool[C] */                                    \
-  X(const uint32_t*, keys)     /* uint32[C] */                                  \
-  X(const int32_t*, versions)  /* int32[C] */                                   \
-  X(int32_t*, times)           /* int32[C] */                                   \
-  X(const float*, priority)    /* float32[C] */                                 \
+  X(uint32_t*, item_info)      /* uint32[C, 4] (item_info.h) */                 \
   X(int32_t*, occ_tree)        /* int32[2P] */                                  \
   X(float*, weight_tree)       /* float32[2P] or null (uniform) */              \
   X(uint32_t*, ledger)         /* uint32[L] */                                  \
@@ -96,8 +94,7 @@ namespace {
   X(const uint32_t*, row_keys) /* uint32[K] */                                  \
   X(const float*, priorities)  /* float32[K], as given */                       \
   X(const bool*, occupied)     /* the state: bool[C] */                         \
-  X(const uint32_t*, keys)     /* uint32[C] */                                  \
-  X(float*, priority)          /* float32[C] */                                 \
+  X(uint32_t*, item_info)      /* uint32[C, 4] (item_info.h) */                 \
   X(float*, weight_tree)       /* float32[2P] or null */                        \
   X(int32_t*, occ_tree)        /* int32[2P] (node 0: zero-weight count) */      \
   X(uint32_t*, ledger)         /* uint32[L] */
@@ -107,7 +104,8 @@ struct DirectSample { FR_SAMPLE_FIELDS(FR_DECLARE) };
 struct DirectUpdate { FR_UPDATE_FIELDS(FR_DECLARE) };
 #undef FR_DECLARE
 
-constexpr int64_t kAbiVersion = 6;
+// 7: the four per-slot columns became one item_info pointer (funcreplay/core/item_info.py).
+constexpr int64_t kAbiVersion = 7;
 
 // "name:offset:size;..." then "sizeof:N".
 #define FR_DESCRIBE(type, name)                                                  \
@@ -180,10 +178,7 @@ extern "C" int funcreplay_direct_sample(const DirectSample* cfg_ptr) {
   job.key = cfg.key;
   job.version = static_cast<int32_t>(cfg.version);
   job.occupied = cfg.occupied;
-  job.keys = cfg.keys;
-  job.versions = cfg.versions;
-  job.times = cfg.times;
-  job.priority = cfg.priority;
+  job.info = ItemInfo(cfg.item_info);
   job.tree = cfg.occ_tree;
   job.p = cfg.tree_nodes / 2;
   job.wtree = cfg.weight_tree;
@@ -248,8 +243,7 @@ extern "C" int funcreplay_direct_update_priorities(const DirectUpdate* cfg_ptr) 
   job.priorities = cfg.priorities;
   job.capacity = cfg.capacity;
   job.occupied = cfg.occupied;
-  job.item_keys = cfg.keys;
-  job.priority = cfg.priority;
+  job.info = ItemInfo(cfg.item_info);
   std::vector<float> weights;
   if (cfg.tree_nodes > 0) {
     // The jitted update's weights (native/priorities.py): the sanitized
@@ -271,6 +265,17 @@ extern "C" int funcreplay_direct_update_priorities(const DirectUpdate* cfg_ptr) 
   }
   RunUpdatePriorities(job);
   return 0;
+}
+
+// item_info.h's layout, "key:0;version:1;times_sampled:2;priority:3;width:4":
+// funcreplay/native/build.py compares it with funcreplay/core/item_info.py's
+// COLUMNS and WIDTH before registering the kernels (no drift between the two).
+extern "C" const char* funcreplay_item_info_layout() {
+  static const std::string layout =
+      "key:" + std::to_string(kInfoKey) + ";version:" + std::to_string(kInfoVersion) +
+      ";times_sampled:" + std::to_string(kInfoTimesSampled) +
+      ";priority:" + std::to_string(kInfoPriority) + ";width:" + std::to_string(kInfoWidth);
+  return layout.c_str();
 }
 
 // Test hooks (tests/native/test_native_identity.py): the kernels' random bits, to check them

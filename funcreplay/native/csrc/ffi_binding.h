@@ -1,5 +1,5 @@
 // Binding helpers of the FFI handlers (kernels.cc): the typed buffers of the
-// calling layout, the ten state columns as typed results, and
+// calling layout, the seven state columns as typed results, and
 // the checks of what XLA's binding cannot type (element counts, the
 // variable-length tails), each naming the operand that does not fit.
 #ifndef FUNCREPLAY_NATIVE_FFI_BINDING_H_
@@ -12,6 +12,7 @@
 #include <string>
 #include <utility>
 
+#include "item_info.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -21,29 +22,43 @@ namespace funcreplay {
 using Bool1 = ffi::Buffer<ffi::PRED, 1>;
 using U32_0 = ffi::Buffer<ffi::U32, 0>;
 using U32_1 = ffi::Buffer<ffi::U32, 1>;
+using U32_2 = ffi::Buffer<ffi::U32, 2>;  // item_info
 using S32_1 = ffi::Buffer<ffi::S32, 1>;
 using F32_1 = ffi::Buffer<ffi::F32, 1>;
 template <ffi::DataType T>
 using Out1 = ffi::ResultBuffer<T, 1>;
+using OutInfo = ffi::ResultBuffer<ffi::U32, 2>;  // item_info uint32[C, 4]
 
-// The ten state columns of the sample and insert kernels, in TableState's
-// order (native/sample.py, native/insert.py): occupied bool[C], key uint32[C],
-// version int32[C], times_sampled int32[C], priority float32[C],
-// occ_tree int32[2P], weight_tree float32[2P] or [0] (not prioritized),
-// ledger uint32[L], version_hist int32[V], version_bounds int32[3] (V > 0)
-// or [0]; typed results. Each is also an operand, aliased to its result
-// (the kernels write through the results). Those operands stay in the
-// handlers' RemainingArgs: jax.ffi.ffi_call refuses an alias whose operand and
-// result differ in shape or dtype when the call is traced, so the typed result
-// checks its operand too, and typing the operand again would only add XLA's
-// decoding to every call (~10 ns an operand, measured: an insert of one row
-// costs ~0.5 us in all).
-constexpr size_t kStateColumns = 10;
+// The seven state columns of the sample and insert kernels, in TableState's
+// order (native/sample.py, native/insert.py): occupied bool[C], item_info
+// uint32[C, 4] (key, version, times sampled and priority of each slot:
+// item_info.h), occ_tree int32[2P], weight_tree float32[2P] or [0] (not
+// prioritized), ledger uint32[L], version_hist int32[V], version_bounds
+// int32[3] (V > 0) or [0]; typed results. Each is also an operand, aliased to
+// its result (the kernels write through the results). Those operands stay in
+// the handlers' RemainingArgs: jax.ffi.ffi_call refuses an alias whose operand
+// and result differ in shape or dtype when the call is traced, so the typed
+// result checks its operand too, and typing the operand again would only add
+// XLA's decoding to every call (~10 ns an operand, measured: an insert of one
+// row costs ~0.5 us in all).
+constexpr size_t kStateColumns = 7;
 template <typename B>
 inline auto StateRets(B&& binding) {
-  return std::move(binding).template Ret<Bool1>().template Ret<U32_1>().template Ret<S32_1>()
-      .template Ret<S32_1>().template Ret<F32_1>().template Ret<S32_1>().template Ret<F32_1>()
-      .template Ret<U32_1>().template Ret<S32_1>().template Ret<S32_1>();
+  return std::move(binding).template Ret<Bool1>().template Ret<U32_2>().template Ret<S32_1>()
+      .template Ret<F32_1>().template Ret<U32_1>().template Ret<S32_1>().template Ret<S32_1>();
+}
+
+// "" if ``info`` is item_info's uint32[C, kInfoWidth] (the binding checked the
+// dtype and the rank), else what is wrong with it, named.
+inline std::string CheckItemInfo(const U32_2& info, int64_t c) {
+  const auto dims = info.dimensions();
+  const int64_t n = static_cast<int64_t>(info.element_count());
+  if (n == kInfoWidth * c && dims[1] == kInfoWidth) return "";
+  return "operand item_info has " + std::to_string(n) + " elements (shape [" +
+         std::to_string(dims[0]) + "," + std::to_string(dims[1]) + "]), expected " +
+         std::to_string(kInfoWidth) + " * C = " + std::to_string(kInfoWidth * c) +
+         " (uint32[C, " + std::to_string(kInfoWidth) + "], C = " + std::to_string(c) +
+         "; funcreplay/core/item_info.py)";
 }
 
 inline ffi::Error BadOperand(const char* kernel, const std::string& what) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common.h"
+#include "item_info.h"
 
 namespace funcreplay {
 
@@ -34,10 +35,7 @@ struct InsertJob {
   // The state, updated in place (wtree null unless prioritized).
   int64_t capacity = 0;
   bool* occupied = nullptr;
-  uint32_t* keys = nullptr;
-  int32_t* version = nullptr;
-  int32_t* times = nullptr;
-  float* priority = nullptr;
+  ItemInfo info;            // item_info uint32[C, 4]
   int32_t* tree = nullptr;  // occ_tree int32[2P]
   int64_t p = 0;            // leaves of the trees
   float* wtree = nullptr;
@@ -82,17 +80,14 @@ inline void RunFifoInsert(InsertJob& job) {
     }
     if (occupied[s]) {
       victim[i] = 1;
-      victim_version[i] = job.version[s];
+      victim_version[i] = job.info.version(s);
       ++n_victims;
-      reuse_sum += static_cast<uint64_t>(static_cast<uint32_t>(job.times[s]));
+      reuse_sum += static_cast<uint64_t>(static_cast<uint32_t>(job.info.times_sampled(s)));
     } else {
       occupied[s] = true;
       for (int64_t node = p + s; node >= 1; node >>= 1) ++tree[node];
     }
-    job.keys[s] = key++;
-    job.version[s] = job.in_version[i];
-    job.times[s] = 0;
-    job.priority[s] = job.in_priority[i];
+    job.info.set_row(s, key++, job.in_version[i], 0, job.in_priority[i]);
     largest = std::max(largest, job.in_priority[i]);
     for (size_t m = 0; m < job.meta.size(); ++m) job.meta[m][s] = job.in_meta[m][i];
     if (wtree != nullptr) {

@@ -43,19 +43,18 @@ namespace {
 
 // Operands of Sample, in native/sample.py's order: key uint32[2] (threefry
 // key data), params int32[2] [version, enabled], where bool[C] or bool[0],
-// then the state (aliased): the ten state columns, the data leaves [C, ...].
+// then the state (aliased): the seven state columns, the data leaves [C, ...].
 // Results: the state (StateRets, then the data leaves), then the batch: the
 // data rows and kInfoColumns info columns, or one packed uint8 buffer; then
 // kTailResults scalars: the valid rows int32[], num_eligible int32[] and the
 // next key uint32[2]. XLA's "bad operands at" positions: 0 key, 1 params,
-// 2 where, 3 the state operands, 4-13 the state results, 14 the rest.
+// 2 where, 3 the state operands, 4-10 the state results, 11 the rest.
 constexpr size_t kInfoColumns = 7;  // valid, slot, key, probability, priority, times, version
 constexpr size_t kTailResults = 3;
 constexpr const char* kSample = "funcreplay_sample";
 
 ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs state_args,
-                      Out1<ffi::PRED> occupied, Out1<ffi::U32> keys, Out1<ffi::S32> version,
-                      Out1<ffi::S32> times, Out1<ffi::F32> priority, Out1<ffi::S32> occ_tree,
+                      Out1<ffi::PRED> occupied, OutInfo item_info, Out1<ffi::S32> occ_tree,
                       Out1<ffi::F32> weight_tree, Out1<ffi::U32> ledger, Out1<ffi::S32> hist,
                       Out1<ffi::S32> bounds, ffi::RemainingRets rets, int64_t batch_size,
                       int64_t capacity, bool replace, int64_t max_times_sampled,
@@ -65,7 +64,7 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs s
   const int64_t b = batch_size;
   const int64_t c = capacity;
   if (state_args.size() < kStateColumns) {
-    return BadOperand(kSample, "expected the ten state columns after key, params and where");
+    return BadOperand(kSample, "expected the seven state columns after key, params and where");
   }
   const size_t n_data = state_args.size() - kStateColumns;
   // Item fields in the batch: the data arrays, or the leaves packed in one row (fields).
@@ -80,12 +79,11 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs s
                                    " results after the state columns, got " +
                                    std::to_string(rets.size()));
   }
-  const std::string bad = FirstMismatch(
+  std::string bad = FirstMismatch(
       {{"key", key.element_count(), 2}, {"params", params.element_count(), 2},
        {"where", where.element_count(), where.element_count() ? c : 0},
-       {"occupied", occupied->element_count(), c}, {"key column", keys->element_count(), c},
-       {"version", version->element_count(), c}, {"times_sampled", times->element_count(), c},
-       {"priority", priority->element_count(), c}});
+       {"occupied", occupied->element_count(), c}});
+  if (bad.empty()) bad = CheckItemInfo(*item_info, c);
   if (!bad.empty()) return BadOperand(kSample, bad);
 
   SampleJob job;
@@ -101,10 +99,7 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs s
   job.enabled = params.typed_data()[1] != 0;  // false: sample nothing, change nothing
   job.where = where.element_count() > 0 ? where.typed_data() : nullptr;
   job.occupied = occupied->typed_data();
-  job.keys = keys->typed_data();
-  job.versions = version->typed_data();
-  job.times = times->typed_data();
-  job.priority = priority->typed_data();
+  job.info = ItemInfo(item_info->typed_data());
   job.tree = occ_tree->typed_data();
   job.p = static_cast<int64_t>(occ_tree->element_count()) / 2;
   job.wtree = weight_tree->element_count() > 0 ? weight_tree->typed_data() : nullptr;
@@ -168,28 +163,26 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs s
 // (priority**alpha for a prioritized sampler, else float32[0]), n_bad
 // uint32[] (invalid priorities among the rows, counted here); then the rest:
 // the variable tail of n_meta + n_data rows (metadata rows int32[B], item
-// leaves [B, ...]), then the state (aliased): the ten state columns, the
-// metadata columns int32[C] and data leaves [C, ...]. Results: the ten state
+// leaves [B, ...]), then the state (aliased): the seven state columns, the
+// metadata columns int32[C] and data leaves [C, ...]. Results: the seven state
 // columns (StateRets), then the metadata columns and data leaves.
 // XLA's "bad operands at" positions: 0 mask, 1 version, 2 priority, 3 weight,
-// 4 n_bad, 5 the rest, 6-15 the state results.
+// 4 n_bad, 5 the rest, 6-12 the state results.
 constexpr const char* kInsert = "funcreplay_fifo_insert";
 
 ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1 in_weight,
                           U32_0 n_bad, ffi::RemainingArgs rest, Out1<ffi::PRED> occupied,
-                          Out1<ffi::U32> keys, Out1<ffi::S32> version, Out1<ffi::S32> times,
-                          Out1<ffi::F32> priority, Out1<ffi::S32> occ_tree,
-                          Out1<ffi::F32> weight_tree, Out1<ffi::U32> ledger, Out1<ffi::S32> hist,
-                          Out1<ffi::S32> bounds, ffi::RemainingRets columns, int64_t capacity,
-                          int64_t n_meta, int64_t n_data,
-                          ffi::Span<const int64_t> ledger_layout) {
+                          OutInfo item_info, Out1<ffi::S32> occ_tree, Out1<ffi::F32> weight_tree,
+                          Out1<ffi::U32> ledger, Out1<ffi::S32> hist, Out1<ffi::S32> bounds,
+                          ffi::RemainingRets columns, int64_t capacity, int64_t n_meta,
+                          int64_t n_data, ffi::Span<const int64_t> ledger_layout) {
   const int64_t c = capacity;
   const int64_t b = static_cast<int64_t>(mask.element_count());
   const size_t n_tail = static_cast<size_t>(n_meta + n_data);
   if (n_meta < 0 || n_data < 0 || rest.size() != 2 * n_tail + kStateColumns ||
       columns.size() != n_tail) {
     return BadOperand(kInsert, "expected n_meta + n_data = " + std::to_string(n_tail) +
-                                   " rows, the ten state columns and " +
+                                   " rows, the seven state columns and " +
                                    std::to_string(n_tail) + " more after n_bad, and " +
                                    std::to_string(n_tail) + " results after the state "
                                    "columns; got " + std::to_string(rest.size()) +
@@ -199,15 +192,13 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
   const int64_t n_tree = static_cast<int64_t>(occ_tree->element_count());
   const int64_t v = static_cast<int64_t>(hist->element_count());
   const bool prioritized = weight_tree->element_count() > 0;
-  const std::string bad = FirstMismatch(
+  std::string bad = FirstMismatch(
       {{"version", in_version.element_count(), b}, {"priority", in_priority.element_count(), b},
        {"weight", in_weight.element_count(), prioritized ? b : 0},
-       {"occupied column", occupied->element_count(), c}, {"key column", keys->element_count(), c},
-       {"version column", version->element_count(), c},
-       {"times_sampled column", times->element_count(), c},
-       {"priority column", priority->element_count(), c},
+       {"occupied column", occupied->element_count(), c},
        {"weight_tree", weight_tree->element_count(), prioritized ? n_tree : 0},
        {"version_bounds", bounds->element_count(), v > 0 ? 3 : 0}});
+  if (bad.empty()) bad = CheckItemInfo(*item_info, c);
   if (!bad.empty()) return BadOperand(kInsert, bad);
   if (n_tree < 2 * c || n_tree % 2 != 0 || (v & (v - 1)) != 0) {
     return BadOperand(kInsert, "operand occ_tree has " + std::to_string(n_tree) +
@@ -224,10 +215,7 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
   job.n_bad = *n_bad.typed_data();
   job.capacity = c;
   job.occupied = occupied->typed_data();
-  job.keys = keys->typed_data();
-  job.version = version->typed_data();
-  job.times = times->typed_data();
-  job.priority = priority->typed_data();
+  job.info = ItemInfo(item_info->typed_data());
   job.tree = occ_tree->typed_data();
   job.p = n_tree / 2;
   job.wtree = prioritized ? weight_tree->typed_data() : nullptr;
@@ -268,35 +256,33 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
 // slots int32[K], keys uint32[K], priorities float32[K] (as given), weights
 // float32[K] (priority**alpha of the sanitized priorities, prioritized
 // sampler) or float32[0]; then the state (aliased, checked through the typed
-// results, as kStateColumns in ffi_binding.h): occupied bool[C], key
-// uint32[C], priority float32[C], weight_tree float32[2P] or [0] (not
-// prioritized), ledger uint32[L] (max_priority and the
+// results, as kStateColumns in ffi_binding.h): occupied bool[C], item_info
+// uint32[C, 4] (the keys checked, the priorities written), weight_tree
+// float32[2P] or [0] (not prioritized), ledger uint32[L] (max_priority and the
 // invalid_priorities counter), occ_tree int32[2P] (its node 0, the
 // zero-weight count). Semantics: RunUpdatePriorities (priorities_core.h).
 // XLA's "bad operands at" positions: 0-3 the rows, 4 the state operands,
-// 5-10 the results, in the orders above.
+// 5-9 the results, in the orders above.
 constexpr const char* kUpdate = "funcreplay_update_priorities";
-constexpr size_t kUpdateStateColumns = 6;  // the state operands above
+constexpr size_t kUpdateStateColumns = 5;  // the state operands above
 
 ffi::Error UpdatePrioritiesImpl(S32_1 slots, U32_1 keys, F32_1 priorities, F32_1 weights,
                                 ffi::RemainingArgs state_args, Out1<ffi::PRED> occupied,
-                                Out1<ffi::U32> item_keys, Out1<ffi::F32> priority,
-                                Out1<ffi::F32> weight_tree, Out1<ffi::U32> ledger,
-                                Out1<ffi::S32> occ_tree, int64_t capacity,
+                                OutInfo item_info, Out1<ffi::F32> weight_tree,
+                                Out1<ffi::U32> ledger, Out1<ffi::S32> occ_tree, int64_t capacity,
                                 ffi::Span<const int64_t> ledger_layout) {
   const int64_t k = static_cast<int64_t>(slots.element_count());
   const int64_t c = capacity;
   const int64_t n_tree = static_cast<int64_t>(weight_tree->element_count());
   const bool prioritized = n_tree > 0;
   if (state_args.size() != kUpdateStateColumns) {
-    return BadOperand(kUpdate, "expected the six state columns after the weights");
+    return BadOperand(kUpdate, "expected the five state columns after the weights");
   }
-  const std::string bad = FirstMismatch(
+  std::string bad = FirstMismatch(
       {{"keys", keys.element_count(), k}, {"priorities", priorities.element_count(), k},
        {"weights", weights.element_count(), prioritized ? k : 0},
-       {"occupied column", occupied->element_count(), c},
-       {"key column", item_keys->element_count(), c},
-       {"priority column", priority->element_count(), c}});
+       {"occupied column", occupied->element_count(), c}});
+  if (bad.empty()) bad = CheckItemInfo(*item_info, c);
   if (!bad.empty()) return BadOperand(kUpdate, bad);
   if (prioritized && (n_tree < 2 * c || n_tree % 2 != 0 ||
                       static_cast<int64_t>(occ_tree->element_count()) != n_tree)) {
@@ -313,8 +299,7 @@ ffi::Error UpdatePrioritiesImpl(S32_1 slots, U32_1 keys, F32_1 priorities, F32_1
   job.weights = prioritized ? weights.typed_data() : nullptr;
   job.capacity = c;
   job.occupied = occupied->typed_data();
-  job.item_keys = item_keys->typed_data();
-  job.priority = priority->typed_data();
+  job.info = ItemInfo(item_info->typed_data());
   job.wtree = prioritized ? weight_tree->typed_data() : nullptr;
   job.p = n_tree / 2;
   if (!job.ledger.Open(ledger->typed_data(), static_cast<int64_t>(ledger->element_count()),
@@ -368,8 +353,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayUpdatePriorities, UpdatePrioritiesImpl,
                                   .Arg<F32_1>()     // weights
                                   .RemainingArgs()  // the state (aliased)
                                   .Ret<Bool1>()     // occupied
-                                  .Ret<U32_1>()     // key
-                                  .Ret<F32_1>()     // priority
+                                  .Ret<U32_2>()     // item_info
                                   .Ret<F32_1>()     // weight_tree
                                   .Ret<U32_1>()     // ledger
                                   .Ret<S32_1>()     // occ_tree

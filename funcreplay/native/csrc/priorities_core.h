@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common.h"
+#include "item_info.h"
 
 namespace funcreplay {
 
@@ -29,8 +30,7 @@ struct UpdateJob {
   // The state, updated in place (wtree null unless prioritized).
   int64_t capacity = 0;
   const bool* occupied = nullptr;
-  const uint32_t* item_keys = nullptr;
-  float* priority = nullptr;
+  ItemInfo info;  // item_info uint32[C, 4]: the keys are checked, the priorities written
   float* wtree = nullptr;
   int64_t p = 0;  // leaves of the weight tree
   int32_t* zero_count = nullptr;  // occ_tree[0] (with wtree): occupied zero-weight items
@@ -51,14 +51,14 @@ inline void RunUpdatePriorities(UpdateJob& job) {
   uint64_t n_bad = 0;
   for (int64_t i = job.k - 1; i >= 0; --i) {  // backwards: the first hit is the last write
     const int32_t s = job.slots[i];
-    if (s < 0 || s >= job.capacity || !job.occupied[s] || job.item_keys[s] != job.keys[i]) {
+    if (s < 0 || s >= job.capacity || !job.occupied[s] || job.info.key(s) != job.keys[i]) {
       continue;
     }
     if (!done.Insert(s)) continue;
     const bool bad = BadPriority(job.priorities[i]);
     const float clean = bad ? 0.0f : job.priorities[i];
     n_bad += bad ? 1 : 0;
-    job.priority[s] = clean;
+    job.info.set_priority(s, clean);
     largest = std::max(largest, clean);
     if (job.wtree != nullptr) {
       *job.zero_count += (job.weights[i] > 0.0f ? 0 : 1) - (job.wtree[job.p + s] > 0.0f ? 0 : 1);

@@ -18,6 +18,7 @@
 #include "common.h"
 #include "draw.h"
 #include "fixedpoint.h"
+#include "item_info.h"
 #include "random.h"
 #include "rows.h"
 
@@ -29,7 +30,7 @@ constexpr float kTiny = 1e-30f;
 // Items with version >= thr: staleness.count_fresh, the O(1) / O(V) answers
 // from the version index, else the O(C) pass it falls back to.
 inline int32_t CountFresh(const VersionIndex& index, int32_t size, int32_t thr,
-                          const bool* occupied, const int32_t* version, int64_t c) {
+                          const bool* occupied, const ItemInfo& info, int64_t c) {
   const int64_t v = index.v;
   const int32_t hi = index.bounds[0], n_old = index.bounds[1], old_min = index.bounds[2];
   int32_t lowest = Wrap(static_cast<uint32_t>(Sub(hi, v)) + 1u);
@@ -44,7 +45,7 @@ inline int32_t CountFresh(const VersionIndex& index, int32_t size, int32_t thr,
     return Wrap(sum);
   }
   uint32_t n = 0;
-  for (int64_t s = 0; s < c; ++s) n += (occupied[s] && version[s] >= thr) ? 1u : 0u;
+  for (int64_t s = 0; s < c; ++s) n += (occupied[s] && info.version(s) >= thr) ? 1u : 0u;
   return Wrap(n);
 }
 
@@ -71,10 +72,7 @@ struct SampleJob {
   const bool* where = nullptr;
   // The state, updated in place.
   bool* occupied = nullptr;
-  const uint32_t* keys = nullptr;
-  const int32_t* versions = nullptr;
-  int32_t* times = nullptr;
-  const float* priority = nullptr;
+  ItemInfo info;              // item_info uint32[C, 4]: times sampled is written
   int32_t* tree = nullptr;    // int32[2P] count tree (node 0: zero-weight items)
   int64_t p = 0;
   float* wtree = nullptr;     // float32[2P] weight tree, or null (uniform)
@@ -142,7 +140,7 @@ struct SampleJob {
 
   // ops.eligible_mask for one slot (prioritized: a positive weight leaf).
   bool Eligible(int64_t s) const {
-    return occupied[s] && (!stale || versions[s] >= threshold) &&
+    return occupied[s] && (!stale || info.version(s) >= threshold) &&
            (where == nullptr || where[s]) && (wtree == nullptr || wtree[p + s] > 0.0f);
   }
 };
@@ -164,7 +162,7 @@ inline void SamplePrologue(SampleJob& job) {
     for (int64_t s = 0; s < job.capacity; ++s) n += job.Eligible(s) ? 1u : 0u;
     job.num_eligible = Wrap(n);
   } else {
-    job.num_eligible = CountFresh(job.index, size, job.threshold, job.occupied, job.versions,
+    job.num_eligible = CountFresh(job.index, size, job.threshold, job.occupied, job.info,
                                   job.capacity);
   }
 }
@@ -210,9 +208,13 @@ inline int64_t RunSample(SampleJob& job) {
   float total = 0.0f;
   const int64_t n = job.enabled ? SampleDraw(job, k0, k1, picked.data(), &total) : 0;
 
-  int32_t* times = job.times;
+  ItemInfo& info = job.info;
   const size_t n_data = job.src.size();
-  for (int64_t i = 0; i < n; ++i) ++times[picked[i]];
+  // int32 with wrap-around, as the portable add.
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t s = picked[i];
+    info.set_times_sampled(s, Wrap(static_cast<uint32_t>(info.times_sampled(s)) + 1u));
+  }
   const float uniform_prob =
       DivideExact(1.0f, static_cast<float>(std::max<int32_t>(job.num_eligible, 1)));
   // w / total as fixedpoint.divide computes it (fixedpoint.h).
@@ -221,9 +223,7 @@ inline int64_t RunSample(SampleJob& job) {
   auto prefetch_row = [&](int64_t i) {
     if (i >= n) return;
     const int32_t s = picked[i];
-    __builtin_prefetch(job.keys + s);
-    __builtin_prefetch(job.priority + s);
-    __builtin_prefetch(job.versions + s);
+    __builtin_prefetch(info.row(s));  // key, version, times sampled and priority
     for (size_t d = 0; d < n_data; ++d) {
       const char* row = job.src[d] + s * job.src_stride[d];
       for (size_t at = 0; at < job.row_bytes[d]; at += 64) __builtin_prefetch(row + at);
@@ -241,19 +241,19 @@ inline int64_t RunSample(SampleJob& job) {
       const int32_t s = picked[i];
       job.out_valid[i] = true;
       job.out_slot[i] = s;
-      job.out_key[i] = job.keys[s];
+      job.out_key[i] = info.key(s);
       job.out_prob[i] = job.wtree != nullptr ? DivideExact(job.wtree[p + s], safe_total)
                                              : uniform_prob;
-      job.out_prio[i] = job.priority[s];
-      job.out_times[i] = times[s];
-      job.out_version[i] = job.versions[s];
+      job.out_prio[i] = info.priority(s);
+      job.out_times[i] = info.times_sampled(s);
+      job.out_version[i] = info.version(s);
       for (size_t d = 0; d < n_data; ++d) {
         CopyRow(job.rows[d] + i * job.row_bytes[d], job.src[d] + s * job.src_stride[d],
                 job.row_bytes[d]);
       }
       if (job.has_version) {
         // int32 arithmetic with wrap-around, as the portable path computes it.
-        stale_sum += static_cast<uint64_t>(std::max<int32_t>(Sub(job.version, job.versions[s]), 0));
+        stale_sum += static_cast<uint64_t>(std::max<int32_t>(Sub(job.version, info.version(s)), 0));
       }
     } else {
       job.out_valid[i] = false;
@@ -282,7 +282,8 @@ inline int64_t RunSample(SampleJob& job) {
     SlotSet done(job.replace ? n : 1);
     for (int64_t i = n - 1; i >= 0; --i) {
       const int32_t s = picked[i];
-      if (times[s] < job.max_times_sampled) continue;
+      const int32_t times = info.times_sampled(s);
+      if (times < job.max_times_sampled) continue;
       if (job.replace && !done.Insert(s)) continue;
       exhausted[i] = 1;
       job.occupied[s] = false;
@@ -292,7 +293,7 @@ inline int64_t RunSample(SampleJob& job) {
         freed.push_back(p + s);
       }
       ++n_freed;
-      reuse_sum += static_cast<uint64_t>(static_cast<uint32_t>(times[s]));
+      reuse_sum += static_cast<uint64_t>(static_cast<uint32_t>(times));
     }
     if (job.wtree != nullptr) RecomputeSumMany(job.wtree, std::move(freed));
     job.ledger.Count(kLEvictedReuse, n_freed);
