@@ -76,14 +76,18 @@ def refresh(spec: TableSpec, state: TableState, slots, valid=None,
   if spec.needs_remover_tree and "remover_tree" in which:
     better = ordering.better_fn(spec.remover, state)
     remover_tree = trees.refresh_best(remover_tree, safe, occ, better, valid)
-  # The refreshes read item_info (priorities, keys) inside the trees' per-level updates;
-  # a later write of item_info (a sample's reuse count) must wait for them, else XLA
-  # copies it. The roots depend on every level: tie item_info to them (O(1)), and the
-  # trees too (their roots' reads then come before the trees' next writes).
   new = dict(occ_tree=occ_tree, weight_tree=weight_tree, remover_tree=remover_tree)
-  refreshed = [name for name in ALL_TREES if name in which and new[name].size]
-  flag = inplace.never([new[name][1] for name in refreshed])
-  new.update({name: inplace.tie(new[name], flag) for name in refreshed})
+  # The weight and remover trees' refreshes read item_info (priorities, keys) inside their
+  # per-level updates; a later write of item_info (a sample's reuse count) must wait for
+  # them, else XLA copies it. A root depends on every level: tie item_info to the roots
+  # (O(1)), and those trees too (the roots' reads then precede the trees' next writes).
+  # The occupancy tree reads only ``occupied``: no tie for it.
+  readers = [name for name in ("weight_tree", "remover_tree")
+             if name in which and new[name].size]
+  if not readers:
+    return state.replace(**new)
+  flag = inplace.never([new[name][1] for name in readers])
+  new.update({name: inplace.tie(new[name], flag) for name in readers})
   return state.replace(item_info=inplace.tie(state.item_info, flag), **new)
 
 
