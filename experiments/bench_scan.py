@@ -13,7 +13,9 @@ gather). Cases (K steps per jitted scan call):
   ``|reward| + 0.01``; ours without replacement, flashbax with);
 - ``prioritized-small`` (not run by default): the same with batches of 8 and 32;
 - ``removers`` (not run by default, ``bench_scan_removers.py``): insert 16 + prioritized
-  sample 64 + update a step into a full table with each of Reverb's removers.
+  sample 64 + update a step into a full table with each of Reverb's removers;
+- ``queue`` (not run by default, ``bench_scan_queue.py``): Reverb's queue, take the 64
+  oldest + insert 64 a step, against flashbax's trajectory queue.
 
 Ours: ``make_table(spec, native=False)`` (the portable programs; the lean ones
 where they apply, BUILD.md "Lean portable programs") and ``native=True`` (the
@@ -50,6 +52,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
+from experiments import bench_scan_queue as queue  # noqa: E402
 from experiments import bench_scan_removers as removers  # noqa: E402
 from experiments.timing import Holder, consume, example, measure, transitions  # noqa: E402
 from funcreplay.core import hlo, ops  # noqa: E402
@@ -292,6 +295,9 @@ def run(a):
       report(case, removers.runners(fbx, a.target_s, platform), removers.KINDS, a.rounds,
              removers.STEPS)
       continue
+    if case == "queue":  # Reverb's queue against flashbax's (bench_scan_queue.py)
+      report(case, queue.runners(fbx, a.target_s), queue.KINDS, a.rounds, queue.STEPS)
+      continue
     tables = {"portable": fr.make_table(spec, native=False)}
     if platform == "cpu" and a.native:  # elsewhere native=True runs the portable programs
       tables["native"] = fr.make_table(spec, native=True)
@@ -334,7 +340,7 @@ if __name__ == "__main__":
   flags.DEFINE_integer("rounds", OPTIONS["rounds"], "interleaved rounds (medians reported)")
   flags.DEFINE_float("target_s", OPTIONS["target_s"], "seconds per timed batch of calls")
   flags.DEFINE_string("cases", OPTIONS["cases"],
-                      "comma-separated: uniform, prioritized, prioritized-small, removers")
+                      "comma-separated: uniform, prioritized, prioritized-small, removers, queue")
   flags.DEFINE_bool("hlo", OPTIONS["hlo"], "print the HLO operation counts first")
   flags.DEFINE_bool("ring", OPTIONS["ring"], "also the lean sample with ring slots (no holes)")
   flags.DEFINE_bool("native", OPTIONS["native"],

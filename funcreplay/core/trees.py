@@ -287,6 +287,23 @@ def descend_count(tree: jnp.ndarray, k: jnp.ndarray, free: bool) -> jnp.ndarray:
   return node - p
 
 
+def count_below(tree: jnp.ndarray, pos) -> jnp.ndarray:
+  """int32[]: the sum of the leaves before ``pos`` (int32[], in ``[0, P]``) of a count tree.
+
+  Up from the leaf ``pos``: each level adds the left sibling where the path is a right
+  child. ``depth(P)`` scalar reads whose addresses do not depend on one another
+  (``(P + pos) >> level``), O(log P)."""
+  p = tree.shape[0] // 2
+  pos = jnp.asarray(pos, jnp.int32)
+  # pos == P (every leaf before it) is the root's count; below it the walk starts at leaf pos.
+  node = p + jnp.minimum(pos, p - 1)
+  total = jnp.int32(0)
+  for level in range(depth(p)):
+    n = node >> level
+    total = total + jnp.where((n & 1) == 1, tree[n - 1], 0)
+  return jnp.where(pos >= p, tree[1], total)
+
+
 # --- arg-best trees ---------------------------------------------------------
 
 Better = Callable[[jnp.ndarray, jnp.ndarray], jnp.ndarray]

@@ -201,3 +201,24 @@ def test_non_ring_insert_then_sample_in_a_scan_copies_no_tree(remover):
     return jax.lax.scan(step, (s, jnp.float32(0)), jnp.arange(4) + i0)[0]
 
   assert _capacity_copies(run, t.init(), 0) == []
+
+
+@pytest.mark.parametrize("spec", [
+    fr.queue(CAP, ITEM), fr.stack(CAP, ITEM),
+    fr.TableSpec(CAP, ITEM, sampler=fr.MinHeap(), remover=fr.Fifo()),
+    fr.TableSpec(CAP, ITEM, sampler=fr.Fifo(), remover=fr.Lifo(), max_times_sampled=2),
+], ids=["queue", "stack", "minheap_fifo", "fifo_lifo"])
+def test_ordered_sample_then_insert_in_a_scan_copies_no_column(spec):
+  # The ordered samplers returned without ordering their reads (the rows, occupied)
+  # before a following insert's writes: XLA copied the data and ``occupied`` every step.
+  t = fr.make_table(spec)
+
+  def run(s, i0):
+    def step(c, i):
+      s, acc = c
+      s, smp = t.sample(s, jax.random.PRNGKey(i), batch_size=8)
+      s = t.insert(s, _rows(4, 0))
+      return (s, acc + jnp.sum(smp.data["obs"]) + jnp.sum(smp.info.probability)), None
+    return jax.lax.scan(step, (s, jnp.float32(0)), jnp.arange(4) + i0)[0]
+
+  assert _capacity_copies(run, t.init(), 0) == []

@@ -30,6 +30,8 @@ COMBOS = [
     (fr.MinHeap(), fr.Fifo()),
     (fr.MaxHeap(), fr.MinHeap()),
     (fr.Prioritized(0.7), fr.Fifo(fill_holes=True)),
+    (fr.Fifo(), fr.Fifo()),  # Reverb's queue: the order read off the ring (ring_order)
+    (fr.Lifo(), fr.Fifo()),
 ]
 
 

@@ -9,7 +9,9 @@ gives the same batch and state for the same ``(state, key)``. Eligibility
 comes from ``sampling.eligibility``, the bookkeeping from ``sampling.finish``.
 
 Deterministic selectors (Fifo, Lifo, MinHeap, MaxHeap) sort the eligible
-items by their order: O(C log C), meant for queue/stack-sized tables.
+items by their order: O(C log C), meant for queue/stack-sized tables; a Fifo or
+Lifo sampler on a ring without masks (Reverb's queue) reads the order off the
+ring instead, O(B log C) (``ring_order``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from funcreplay.core import (
   storage,
 )
 from funcreplay.core import selectors as sel
-from funcreplay.core.sampling import exact, prioritized_lean, uniform_lean
+from funcreplay.core.sampling import exact, prioritized_lean, ring_order, uniform_lean
 from funcreplay.core.sampling.draw import Weights as _Weights
 from funcreplay.core.sampling.draw import draw_stratified as _draw_stratified
 from funcreplay.core.sampling.draw import restore_zeroed
@@ -181,9 +183,12 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
   eligible_fn, eligible_all = eligibility(spec, state, ver, where)
 
   if sel.is_ordered(spec.sampler):
-    order, ok = ordering.sorted_eligible(spec.sampler, state, eligible_all())
-    picked = jnp.where(ok[:b], order[:b], -1)
-    num_eligible = jnp.sum(ok, dtype=jnp.int32)
+    if ring_order.applies(spec, masked=masked):  # Fifo / Lifo from a ring: no sort
+      picked, num_eligible = ring_order.pick(spec, state, b)
+    else:
+      order, ok = ordering.sorted_eligible(spec.sampler, state, eligible_all())
+      picked = jnp.where(ok[:b], order[:b], -1)
+      num_eligible = jnp.sum(ok, dtype=jnp.int32)
     prob = jnp.ones((b,), jnp.float32)
   else:
     # Totals are read before the draw, which updates the tree in place. XLA
@@ -244,6 +249,9 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
     return state, out
   # _finish writes item_info: order the ordering's reads of it (priorities, versions) first.
   state = state.replace(item_info=inplace.tie(state.item_info, inplace.never(picked)))
-  return _finish(spec, state, picked, prob, num_eligible, ver, replace=False)
+  state, out = _finish(spec, state, picked, prob, num_eligible, ver, replace=False)
+  # As above: a later insert in the same program writes the rows and columns read here
+  # (without this, XLA copied the data and ``occupied`` every step of a queue's scan).
+  return inplace.settle(state, (out, state.occ_tree[1]), spec.capacity), out
 
 

@@ -1,0 +1,106 @@
+"""Fifo / Lifo sampling from a ring (``sampling.ring_order``): the order read off the ring
+is the general program's sort by age, slot for slot, over random histories of inserts
+(masked rows too), deletes and samples that use items up; and a queue's sample then
+insert in a scan sorts nothing and copies no column."""
+
+from __future__ import annotations
+
+import functools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import funcreplay as fr
+from funcreplay.core import hlo, ordering, trees
+from funcreplay.core.sampling import ring_order
+
+ITEM = {"x": np.zeros((), np.int32)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 70), st.data())
+def test_count_below_is_the_prefix_sum(capacity, data):
+  p = 1 << max(0, (capacity - 1).bit_length())
+  leaves = np.zeros(p, np.int32)
+  leaves[:capacity] = data.draw(st.lists(st.integers(0, 1), min_size=capacity,
+                                         max_size=capacity))
+  tree = trees.build_sum(jnp.asarray(leaves))
+  for pos in sorted({0, capacity - 1, capacity, p, data.draw(st.integers(0, p))}):
+    assert int(trees.count_below(tree, jnp.int32(pos))) == int(leaves[:pos].sum()), pos
+
+
+def _history():
+  return st.lists(st.one_of(
+      st.tuples(st.just("insert"), st.lists(st.booleans(), min_size=1, max_size=5)),
+      st.tuples(st.just("delete"), st.lists(st.integers(0, 10), min_size=1, max_size=3)),
+      st.tuples(st.just("sample"), st.integers(1, 6))), min_size=1, max_size=25)
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(lifo: bool, capacity: int, max_times: int):
+  """The jitted programs of one table, compiled once for all of hypothesis' examples."""
+  spec = fr.TableSpec(capacity, ITEM, sampler=fr.Lifo() if lifo else fr.Fifo(),
+                      remover=fr.Fifo(), max_times_sampled=max_times)
+  t = fr.make_table(spec, native=False)
+  return dict(
+      spec=spec, init=t.init,
+      insert=jax.jit(lambda s, x, m: t.insert(s, {"x": x}, mask=m)),
+      delete=jax.jit(lambda s, slots: t.delete(s, slots, s.key[slots])),
+      sample=jax.jit(lambda s, k, m: t.sample(s, k, batch_size=capacity, where=m)[0]),
+      sample_all=jax.jit(lambda s, k: t.sample(s, k, batch_size=3)[0]),
+      pick=jax.jit(lambda s: ring_order.pick(spec, s, capacity)),
+      by_sort=jax.jit(lambda s: ordering.sorted_eligible(spec.sampler, s, s.occupied)))
+
+
+@pytest.mark.parametrize("lifo", [False, True], ids=["fifo", "lifo"])
+@pytest.mark.parametrize("capacity,max_times", [(11, 1), (11, 0), (8, 2)])
+@settings(max_examples=30, deadline=None)
+@given(ops=_history())
+def test_the_ring_order_is_the_sorted_order(lifo, capacity, max_times, ops):
+  f = _programs(lifo, capacity, max_times)
+  assert ring_order.applies(f["spec"], masked=False)
+  s, n = f["init"](), 0
+  for op in ops:
+    if op[0] == "insert":
+      mask = np.zeros(5, bool)
+      mask[:len(op[1])] = op[1]
+      s = f["insert"](s, jnp.arange(n, n + 5, dtype=jnp.int32), jnp.asarray(mask))
+      n += 5
+    elif op[0] == "delete":
+      s = f["delete"](s, jnp.asarray(op[1] + [0] * (3 - len(op[1])), jnp.int32) % capacity)
+    elif op[1] == 1:  # an unmasked sample: this program's order (uses up the first rows)
+      s = f["sample_all"](s, jax.random.PRNGKey(n))
+    else:
+      # A masked sample (the sort) uses up (max_times) the rows it returns: holes anywhere.
+      where = np.arange(capacity) % op[1] == 0
+      s = f["sample"](s, jax.random.PRNGKey(n), jnp.asarray(where))
+    got, num = f["pick"](s)
+    order, ok = f["by_sort"](s)
+    want = np.where(np.asarray(ok), np.asarray(order), -1)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert int(num) == int(np.sum(ok))
+
+
+def test_a_queue_sample_then_insert_in_a_scan_sorts_nothing_and_copies_no_column():
+  cap = 4099  # odd: no other array of these programs has this leading dim
+  t = fr.make_table(fr.queue(cap, ITEM), native=False)
+
+  def run(s, i0):
+    def step(c, i):
+      s, acc = c
+      s, smp = t.sample(s, jax.random.PRNGKey(i), batch_size=16)
+      s = t.insert(s, {"x": jnp.arange(16, dtype=jnp.int32) + i})
+      return (s, acc + jnp.sum(smp.data["x"]) + jnp.sum(smp.info.key)), None
+    return jax.lax.scan(step, (s, jnp.int32(0)), jnp.arange(4) + i0)[0]
+
+  txt = jax.jit(run, donate_argnums=0).lower(t.init(), 0).compile().as_text()
+  p = t.spec.tree_size
+  big = [line for line in txt.splitlines()
+         if (" copy(" in line or " sort(" in line)
+         and any(f"[{n}]" in line or f"[{n}," in line for n in (cap, 2 * p))]
+  assert big == [], big
+  assert hlo.text_counts(txt, cap)["conditional"] == 0
