@@ -125,10 +125,14 @@ def kth_occupied(tree, k, occupied=None):
   leaf_levels = min(_LEAF_LEVELS, trees.depth(p))
   node, k = _descend(tree, k, leaf_levels)
   first = (node - (p >> leaf_levels)) * (1 << leaf_levels)  # the first slot under ``node``
-  # Each row's line of ``occupied`` is read first by a loop of its own (one byte a row,
-  # materialized): the B cache misses overlap there, where inside the counting loop
-  # below they would come one row at a time (see _GROUP_LEVELS).
-  head = materialize(_count_at(occupied, first, p))
+  # On CPU each row's line of ``occupied`` is read first by a loop of its own (one byte
+  # a row, materialized): the B cache misses overlap there, where inside the counting
+  # loop below they would come one row at a time (see _GROUP_LEVELS). Elsewhere the read
+  # stays in the counting (on a GPU the rows are threads, and a loop of its own would be
+  # one more kernel a sample). The same value either way.
+  head = lax.platform_dependent(
+      first, cpu=lambda f: materialize(_count_at(occupied, f, p)),
+      default=lambda f: _count_at(occupied, f, p))
   group_levels = min(_GROUP_LEVELS, leaf_levels)
   g, n_groups = 1 << group_levels, 1 << (leaf_levels - group_levels)
   sums = [sum(_count_at(occupied, first + gi * g + j, p) if gi or j else head
