@@ -292,10 +292,12 @@ def run(a):
     if case.startswith("prioritized"):
       spec = spec.replace(sampler=fr.Prioritized(0.6))
     if case == "removers":  # its own specs, capacity and peer (bench_scan_removers.py)
+      print(f"removers: capacity {removers.CAPACITY:,}, {removers.STEPS} steps per scan")
       report(case, removers.runners(fbx, a.target_s, platform), removers.KINDS, a.rounds,
              removers.STEPS)
       continue
     if case == "queue":  # Reverb's queue against flashbax's (bench_scan_queue.py)
+      print(f"queue: capacity {queue.CAPACITY:,}, {queue.STEPS} steps per scan")
       report(case, queue.runners(fbx, a.target_s), queue.KINDS, a.rounds, queue.STEPS)
       continue
     tables = {"portable": fr.make_table(spec, native=False)}
