@@ -201,13 +201,16 @@ def gather_rows(spec: TableSpec, state: TableState, slot, valid):
 
 
 def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, version,
-           reads=()):
+           reads=(), n_valid=None):
   """The bookkeeping of a sample without a reuse limit: ``(state, Sample)``.
 
   ``slot`` int32[B] in range (any value where not ``valid``), ``prob``
   float32[B]; ``replace``-drawn duplicates are fine (the scatter adds).
   ``reads``: arrays the caller read from the state's columns or trees that
   feed neither ``slot`` nor the returned sample (see "Ordered" below).
+  ``n_valid``: int32[], the number of valid rows when the caller knows it without
+  counting (else ``sum(valid)``: XLA:CPU runs a sum of more than 32 elements as a
+  windowed reduction and a reduction, two operations of a scan step).
 
   Ordered: the returned state's ledger (``write_pos``, behind every write of a
   following ``insert``) and ``info.slot`` (the slots of a following
@@ -225,7 +228,8 @@ def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, 
   # One gather of the rows' four info words, after the increment (so ordered after the
   # scatter, which stays in place; the next writers are ordered by the witness below).
   got = item_info.unpack(words[slot])
-  n_valid = jnp.sum(valid, dtype=jnp.int32)
+  if n_valid is None:
+    n_valid = jnp.sum(valid, dtype=jnp.int32)
   adds = {"samples": ledger.count(n_valid)}
   item_version = got["version"]
   if version is not None:
@@ -273,4 +277,6 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     slot = materialize(kth_occupied(state.occ_tree, x, state.occupied))
   # One division (fixedpoint.divide: exact, ~13 ns an element on XLA:CPU), then broadcast.
   prob = jnp.broadcast_to(fixedpoint.divide(1.0, jnp.maximum(n, 1).astype(jnp.float32)), (b,))
-  return finish(spec, state, slot, valid, prob, n, version)
+  # The valid rows are the first min(N, B) (without replacement) or all B when N > 0.
+  n_valid = jnp.where(n > 0, b, 0) if replace else jnp.minimum(n, b)
+  return finish(spec, state, slot, valid, prob, n, version, n_valid=n_valid)
