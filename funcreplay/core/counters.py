@@ -46,6 +46,21 @@ def add(counter, n) -> jnp.ndarray:
   return jnp.stack([counter[0] + carry, lo])
 
 
+def half_sums(values, where=None):
+  """``(lo16, hi16)``: uint32 sums of the low and high 16-bit halves of ``values[where]``
+  (non-negative int32/uint32, at most 65,536 of them, so neither sum overflows).
+
+  One reduction of the two halves stacked, not two sums: XLA:CPU runs a sum of more
+  than 32 elements as two operations (a windowed reduction, then a reduction), so two
+  sums of a B = 64 batch were four operations of a scan step (BUILD.md finding 20).
+  """
+  v = jnp.asarray(values).astype(_U32)
+  if where is not None:
+    v = jnp.where(where, v, _U32(0))
+  lo16, hi16 = jnp.sum(jnp.stack([v & _U32(0xFFFF), v >> _U32(16)]), axis=-1, dtype=_U32)
+  return lo16, hi16
+
+
 def add_sum(counter, values, where=None) -> jnp.ndarray:
   """``counter + sum(values[where])`` exactly, for up to 65,536 values.
 
@@ -53,11 +68,7 @@ def add_sum(counter, values, where=None) -> jnp.ndarray:
   halves so the partial sums cannot overflow uint32 for batches of at most
   2**16 elements.
   """
-  v = jnp.asarray(values).astype(_U32)
-  if where is not None:
-    v = jnp.where(where, v, _U32(0))
-  lo16 = jnp.sum(v & _U32(0xFFFF), dtype=_U32)
-  hi16 = jnp.sum(v >> _U32(16), dtype=_U32)
+  lo16, hi16 = half_sums(values, where)
   counter = add(counter, lo16)
   # hi16 * 2**16 = (hi16 >> 16) * 2**32 + ((hi16 & 0xFFFF) << 16)
   counter = add(counter, (hi16 & _U32(0xFFFF)) << _U32(16))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from funcreplay.core import counters
 from funcreplay.core import ledger as ledger_lib
 from funcreplay.core.state import TableState
 
@@ -33,11 +34,7 @@ def count(n) -> Tuple[jnp.ndarray, jnp.ndarray]:
 def total(values, where=None) -> Tuple[jnp.ndarray, jnp.ndarray]:
   """The exact two-word increment ``(hi, lo)`` of ``sum(values[where])`` (non-negative
   int32/uint32, at most 65,536 values; as ``counters.add_sum``)."""
-  v = jnp.asarray(values).astype(_U32)
-  if where is not None:
-    v = jnp.where(where, v, _U32(0))
-  lo16 = jnp.sum(v & _U32(0xFFFF), dtype=_U32)
-  hi16 = jnp.sum(v >> _U32(16), dtype=_U32)
+  lo16, hi16 = counters.half_sums(values, where)
   lo = ((hi16 & _U32(0xFFFF)) << _U32(16)) + lo16  # hi16 * 2**16 + lo16, low word
   return (hi16 >> _U32(16)) + (lo < lo16).astype(_U32), lo
 

@@ -95,6 +95,22 @@ def test_two_word_add_sum_is_exact():
   assert got == 2**32 - 10 + 1000 * (2**31 + 7)
 
 
+@pytest.mark.parametrize("n", [1, 31, 33, 64, 1000])
+def test_two_word_totals_are_exact_sums(n):
+  # counters.half_sums reduces both 16-bit halves in one reduction; add_sum and the
+  # ledger's total (ledger_update.total) build on it.
+  from funcreplay.core import ledger_update
+  rng = np.random.default_rng(n)
+  v = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+  where = rng.random(n) < 0.7
+  want = int(v[where].astype(np.uint64).sum())
+  c = ctr.from_int(2**32 - 3)
+  assert ctr.to_int(jax.jit(ctr.add_sum)(c, jnp.asarray(v), jnp.asarray(where))) == (
+      2**32 - 3 + want)
+  hi, lo = jax.jit(ledger_update.total)(jnp.asarray(v), jnp.asarray(where))
+  assert int(hi) * 2**32 + int(lo) == want
+
+
 def test_masked_insert_rows_are_not_inserted():
   spec = fr.TableSpec(8, ITEM)
   f = jitted(spec)
