@@ -38,7 +38,7 @@ from jax import lax
 
 def never(reads) -> jnp.ndarray:
   """bool[]: always False, computed from every leaf of ``reads`` (cost O(size of reads))."""
-  sums, scalars = [jnp.uint32(0)], [jnp.uint32(0)]
+  by_shape, scalars = {}, [jnp.uint32(0)]
   for x in jax.tree_util.tree_leaves(reads):
     x = jnp.asarray(x)
     if x.size == 0:
@@ -53,10 +53,15 @@ def never(reads) -> jnp.ndarray:
     else:
       x = lax.bitcast_convert_type(x, jnp.dtype(f"uint{bits}"))
     if x.size > 1:
-      # A reduction: XLA does not duplicate it into its consumers.
-      sums.append(jnp.sum(x, dtype=jnp.uint32))
+      x = x.astype(jnp.uint32)
+      by_shape[x.shape] = x if x.shape not in by_shape else by_shape[x.shape] + x
     else:
       scalars.append(x.reshape(()).astype(jnp.uint32))
+  # A reduction (XLA does not duplicate one into its consumers) per shape, of the leaves
+  # of that shape added elementwise: a reduction per leaf was an operation each, two for
+  # more than 32 elements on XLA:CPU (BUILD.md finding 20), and a reduction of their
+  # concatenation XLA splits back into one per leaf.
+  sums = [jnp.uint32(0)] + [jnp.sum(x, dtype=jnp.uint32) for x in by_shape.values()]
   # A scalar read (say ``tree[1]``) is a slice, which XLA re-fuses into every
   # consumer: each copy is a read of the buffer that the tie does not order.
   # Passing the scalars through a sort (never duplicated, never simplified
