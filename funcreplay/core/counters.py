@@ -57,6 +57,7 @@ def half_sums(values, where=None):
   v = jnp.asarray(values).astype(_U32)
   if where is not None:
     v = jnp.where(where, v, _U32(0))
+  v = v.reshape(-1)  # every element, whatever the shape (as the two sums were)
   lo16, hi16 = jnp.sum(jnp.stack([v & _U32(0xFFFF), v >> _U32(16)]), axis=-1, dtype=_U32)
   return lo16, hi16
 

@@ -111,6 +111,11 @@ def test_two_word_totals_are_exact_sums(n):
   assert int(hi) * 2**32 + int(lo) == want
 
 
+def test_two_word_add_sum_counts_every_element_of_a_2d_array():
+  v = np.arange(12, dtype=np.uint32).reshape(3, 4) * np.uint32(70_000)
+  assert ctr.to_int(ctr.add_sum(ctr.zero(), jnp.asarray(v))) == int(v.astype(np.uint64).sum())
+
+
 def test_masked_insert_rows_are_not_inserted():
   spec = fr.TableSpec(8, ITEM)
   f = jitted(spec)
