@@ -15,7 +15,10 @@ gather). Cases (K steps per jitted scan call):
 - ``removers`` (not run by default, ``bench_scan_removers.py``): insert 16 + prioritized
   sample 64 + update a step into a full table with each of Reverb's removers;
 - ``queue`` (not run by default, ``bench_scan_queue.py``): Reverb's queue, take the 64
-  oldest + insert 64 a step, against flashbax's trajectory queue.
+  oldest + insert 64 a step, against flashbax's trajectory queue;
+- ``ordered`` (not run by default, ``bench_scan_ordered.py``): Reverb's stack, a min-heap
+  and a stalest-first table, insert 64 + sample 64 a step, against the sort of every
+  slot that these samplers ran before (no JAX library has them).
 
 Ours: ``make_table(spec, native=False)`` (the portable programs; the lean ones
 where they apply, BUILD.md "Lean portable programs") and ``native=True`` (the
@@ -52,6 +55,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
+from experiments import bench_scan_ordered as ordered  # noqa: E402
 from experiments import bench_scan_queue as queue  # noqa: E402
 from experiments import bench_scan_removers as removers  # noqa: E402
 from experiments.timing import Holder, consume, example, measure, transitions  # noqa: E402
@@ -300,6 +304,12 @@ def run(a):
       print(f"queue: capacity {queue.CAPACITY:,}, {queue.STEPS} steps per scan")
       report(case, queue.runners(fbx, a.target_s), queue.KINDS, a.rounds, queue.STEPS)
       continue
+    if case == "ordered":  # the deterministic samplers against their old sort
+      print(f"ordered: capacity {ordered.CAPACITY:,}, {ordered.STEPS} steps per scan; "
+            "peer: the sort of every slot they replaced")
+      report(case, ordered.runners(a.target_s), ordered.KINDS, a.rounds, ordered.STEPS,
+             peer="sort")
+      continue
     tables = {"portable": fr.make_table(spec, native=False)}
     if platform == "cpu" and a.native:  # elsewhere native=True runs the portable programs
       tables["native"] = fr.make_table(spec, native=True)
@@ -318,21 +328,21 @@ def run(a):
     del runners
 
 
-def report(case, runners, kinds, rounds, steps, names=None):
-  """Measure ``runners`` (``"<name> <kind>"``, ``"flashbax <kind>"`` the peer) round-robin
+def report(case, runners, kinds, rounds, steps, names=None, peer="flashbax"):
+  """Measure ``runners`` (``"<name> <kind>"``, ``"<peer> <kind>"`` the peer) round-robin
   and print each one's time a step and ratio to the peer (wall, and process CPU time)."""
   secs = measure(runners, rounds)
   cpu = {k: float(np.median(r.cpu_times)) for k, r in runners.items()}
   for kind in kinds:
-    f, fc = secs[f"flashbax {kind}"], cpu[f"flashbax {kind}"]
+    f, fc = secs[f"{peer} {kind}"], cpu[f"{peer} {kind}"]
     ours = names if names is not None else [
         k[:-len(kind) - 1] for k in runners if k.endswith(f" {kind}") and
-        not k.startswith("flashbax ")]
+        not k.startswith(f"{peer} ")]
     for name in ours:
       s, c = secs[f"{name} {kind}"], cpu[f"{name} {kind}"]
       spread = np.ptp(runners[f"{name} {kind}"].times) / s
       n = LONG_STEPS if kind.endswith("-1k") else steps
-      print(f"{case:<12} {kind:<10} {name:<9} {s / n * 1e6:9.2f} us/step  flashbax "
+      print(f"{case:<12} {kind:<10} {name:<9} {s / n * 1e6:9.2f} us/step  {peer} "
             f"{f / n * 1e6:9.2f} us/step  ratio {f / s:5.2f}x  (spread {spread:.0%}; "
             f"process CPU time ratio {fc / c:5.2f}x)")
 
@@ -342,7 +352,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("rounds", OPTIONS["rounds"], "interleaved rounds (medians reported)")
   flags.DEFINE_float("target_s", OPTIONS["target_s"], "seconds per timed batch of calls")
   flags.DEFINE_string("cases", OPTIONS["cases"],
-                      "comma-separated: uniform, prioritized, prioritized-small, removers, queue")
+                      "comma-separated: uniform, prioritized, prioritized-small, removers, queue, "
+                      "ordered")
   flags.DEFINE_bool("hlo", OPTIONS["hlo"], "print the HLO operation counts first")
   flags.DEFINE_bool("ring", OPTIONS["ring"], "also the lean sample with ring slots (no holes)")
   flags.DEFINE_bool("native", OPTIONS["native"],

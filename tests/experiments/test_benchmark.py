@@ -178,14 +178,15 @@ def test_bench_scan_runs_every_case_at_a_tiny_size(monkeypatch, capsys):
   """``bench_scan.py``'s cases (issue 25's in-scan benchmark) run end to end and print a
   ratio for each kind: at 4,096 rows (1,024 for the removers and the queue), one round,
   portable only."""
-  from experiments import bench_scan, bench_scan_queue, bench_scan_removers
+  from experiments import bench_scan, bench_scan_ordered, bench_scan_queue, bench_scan_removers
   monkeypatch.setattr(bench_scan, "CAPACITY", 1 << 12)
   monkeypatch.setattr(bench_scan, "FILL_CHUNK", 1 << 10)
   monkeypatch.setattr(bench_scan_removers, "CAPACITY", 1 << 10)
   monkeypatch.setattr(bench_scan_removers, "FILL_CHUNK", 1 << 8)
   monkeypatch.setattr(bench_scan_queue, "CAPACITY", 1 << 10)
+  monkeypatch.setattr(bench_scan_ordered, "CAPACITY", 1 << 10)
   bench_scan.start(rounds=1, target_s=0.001, hlo=True, native=False,
-                   cases="uniform,prioritized,prioritized-small,removers,queue")
+                   cases="uniform,prioritized,prioritized-small,removers,queue,ordered")
   out = capsys.readouterr().out
   assert "HLO uniform sample b256" in out
   kinds = ["scan", "smp-ins", "insert1", "insert1-1k", "prio", "prio8", "prio32"]
@@ -195,3 +196,5 @@ def test_bench_scan_runs_every_case_at_a_tiny_size(monkeypatch, capsys):
     assert re.search(rf"removers +{remover} .* ratio +[0-9.]+x", out), (remover, out)
   for kind in bench_scan_queue.KINDS:
     assert re.search(rf"queue +{kind} +portable .* ratio +[0-9.]+x", out), (kind, out)
+  for kind in bench_scan_ordered.KINDS:
+    assert re.search(rf"ordered +{kind} +select .* sort .* ratio +[0-9.]+x", out), (kind, out)

@@ -177,17 +177,6 @@ RADIX_BITS = 8  # one digit per pass: a [K + 1, 256] histogram, one scatter-add 
 UINT32_MAX = 2**32 - 1
 
 
-def _ascending_u32(key):
-  """uint32[C] in the order of ``key`` (signed / unsigned ints, floats; ascending)."""
-  if jnp.issubdtype(key.dtype, jnp.floating):
-    key = jnp.where(key == 0, 0.0, key).astype(jnp.float32)  # -0.0 ties with 0.0, as in <
-    b = lax.bitcast_convert_type(key, jnp.uint32)
-    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(1 << 31))  # negatives reversed
-  if jnp.issubdtype(key.dtype, jnp.signedinteger):
-    return lax.bitcast_convert_type(key.astype(jnp.int32), jnp.uint32) ^ jnp.uint32(1 << 31)
-  return key.astype(jnp.uint32)
-
-
 def _digit_pass(shift, rel, row, k, carry):
   """One radix digit: every group keeps the items on the digit where its ``need``-th
   item lies, and takes those below it (``carry = (chosen, active, need)``)."""
@@ -239,7 +228,7 @@ def first_by_group(gid, keys, take, kk: int, *, unique_keys: bool = False):
   active = (gid < k) & (jnp.concatenate([take, jnp.zeros((1,), jnp.int32)])[row] > 0)
   carry = (jnp.zeros((c,), bool), active, need)
   for key in keys:
-    carry = _select_key(_ascending_u32(key), row, k, carry)
+    carry = _select_key(ordering.ascending_u32(key), row, k, carry)
   # Items still in play tie with their group's threshold on every key: more of them than
   # needed only on equal keys (e.g. equal random draws); the slot breaks those ties.
   if not unique_keys:
@@ -252,7 +241,7 @@ def first_by_group(gid, keys, take, kk: int, *, unique_keys: bool = False):
   cand = cand.astype(jnp.int32)
   valid = chosen[cand]
   grp = jnp.where(valid, gid[cand], k)
-  ukeys = [jnp.where(valid, _ascending_u32(key)[cand], 0) for key in keys]
+  ukeys = [jnp.where(valid, ordering.ascending_u32(key)[cand], 0) for key in keys]
   ordered = lax.sort((grp, *ukeys, cand), num_keys=2 + len(keys))[-1]
   return jnp.where(jnp.arange(kk) < jnp.sum(take), ordered, c), jnp.cumsum(take) - take
 

@@ -3,10 +3,11 @@
 Applies (``applies``) when the sampler is ``Fifo`` or ``Lifo``, the remover the plain
 ring (``Fifo()``, ``selectors.is_ring``) and no ``where`` or staleness mask, so that
 eligible means occupied: Reverb's queue (``fr.queue``) and a Lifo sampler over a
-FIFO-evicted buffer. The general ordered sample sorts all C slots by (eligible, age),
-O(C log C) a call (``ordering.sorted_eligible``: 9.6 ms a step of a 65,536-slot queue
-in a scan, sample 64 + insert 64, on the 2-core VM); this is O(B log P) and returns
-the same slots in the same order (tests/core/test_ring_order.py).
+FIFO-evicted buffer. The general ordered sample selects among all C slots by (eligible,
+age), O(C) top-k passes a call (``ordering.first_eligible``; it was a sort of the table,
+9.6 ms a step of a 65,536-slot queue in a scan, sample 64 + insert 64, on the 2-core
+VM); this is O(B log P) and returns the same slots in the same order
+(tests/core/test_ring_order.py).
 
 Why no sort is needed. The ring writes insert ``n`` at slot ``(w0 + n) mod C`` and never
 fills a hole (``ops.insert``, ``insert_lean``; a grown checkpoint keeps the order,

@@ -8,10 +8,11 @@ follows bit for bit (BUILD.md "Bit recipe"): on CPU ``native`` on or off
 gives the same batch and state for the same ``(state, key)``. Eligibility
 comes from ``sampling.eligibility``, the bookkeeping from ``sampling.finish``.
 
-Deterministic selectors (Fifo, Lifo, MinHeap, MaxHeap) sort the eligible
-items by their order: O(C log C), meant for queue/stack-sized tables; a Fifo or
-Lifo sampler on a ring without masks (Reverb's queue) reads the order off the
-ring instead, O(B log C) (``ring_order``).
+Deterministic selectors (Fifo, Lifo, MinHeap, MaxHeap, StalestFirst,
+FreshestFirst) take the first B eligible items in their order by a radix
+select over top-k passes (``ordering.first_eligible``: O(C) a digit, no sort
+of the table); a Fifo or Lifo sampler on a ring without masks (Reverb's queue)
+reads the order off the ring instead, O(B log C) (``ring_order``).
 """
 
 from __future__ import annotations
@@ -186,9 +187,7 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
     if ring_order.applies(spec, masked=masked):  # Fifo / Lifo from a ring: no sort
       picked, num_eligible = ring_order.pick(spec, state, b)
     else:
-      order, ok = ordering.sorted_eligible(spec.sampler, state, eligible_all())
-      picked = jnp.where(ok[:b], order[:b], -1)
-      num_eligible = jnp.sum(ok, dtype=jnp.int32)
+      picked, num_eligible = ordering.first_eligible(spec.sampler, state, eligible_all(), b)
     prob = jnp.ones((b,), jnp.float32)
   else:
     # Totals are read before the draw, which updates the tree in place. XLA
