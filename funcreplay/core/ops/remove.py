@@ -13,14 +13,22 @@ from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
 
-def remove(spec: TableSpec, state: TableState, slots, mask, cause: str) -> TableState:
-  """Free ``slots[mask]`` (unique), counting them under ``cause``. Trees not refreshed."""
+def remove(spec: TableSpec, state: TableState, slots, mask, cause: str,
+           rows=None) -> TableState:
+  """Free ``slots[mask]`` (unique), counting them under ``cause``. Trees not refreshed.
+
+  ``rows``: the victims' ``item_info`` fields (``item_info.unpack``) when the caller has
+  read them already and orders that read before its later writes itself (``sample``'s
+  finish: its outputs are those rows); else they are read here, and ordered."""
   n = jnp.sum(mask).astype(jnp.uint32)
-  old = item_info.unpack(take(state.item_info, slots))  # one read of the victims' rows
+  if rows is None:
+    rows = item_info.unpack(take(state.item_info, slots))  # one read of the victims' rows
+    # The caller may overwrite these rows next (insert): order that after this read, and
+    # after the reads behind ``mask`` (a key guard's reads of item_info).
+    state = state.replace(item_info=inplace.tie(state.item_info,
+                                                inplace.never((rows["times_sampled"], mask))))
+  old = rows
   reuse = old["times_sampled"]
-  # The caller may overwrite these rows next (insert): order that after this read, and
-  # after the reads behind ``mask`` (a key guard's reads of item_info).
-  state = state.replace(item_info=inplace.tie(state.item_info, inplace.never((reuse, mask))))
   if spec.max_staleness is not None:
     versions = old["version"]
     hist, bounds = staleness.on_remove(spec, state.version_hist, state.version_bounds,

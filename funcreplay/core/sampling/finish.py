@@ -50,8 +50,12 @@ def finish(spec, state, picked, prob, num_eligible, ver, replace):
     exhausted = valid & (got["times_sampled"] >= spec.max_times_sampled)
     if replace:  # a slot can appear twice: count it once (without, rows are distinct)
       exhausted = ops.last_occurrence(safe, exhausted)
-    state = ops.remove(spec, state, safe, exhausted, "evicted_reuse")
+    # The rows read above (after the increment, as remove would read them): the caller
+    # orders that read before later writes (``inplace.settle`` of the sample).
+    state = ops.remove(spec, state, safe, exhausted, "evicted_reuse", rows=got)
     # Sampled items had a positive weight: the zero-weight count does not move
-    # (and leaves the draw zeroed would read as zero).
+    # (and leaves the draw zeroed would read as zero). The refresh reads the new
+    # ``occupied`` (a -1 added to the count tree without that read, as the lean uniform
+    # sample does, made XLA copy ``occupied`` twice a step of a stack's scan).
     state = indexes.refresh(spec, state, safe, exhausted, count_zero=False)
   return state, Sample(data=data, valid=valid, info=info, num_eligible=num_eligible)
