@@ -22,7 +22,9 @@ gather). Cases (K steps per jitted scan call):
 
 Ours: ``make_table(spec, native=False)`` (the portable programs; the lean ones
 where they apply, BUILD.md "Lean portable programs") and ``native=True`` (the
-CPU kernels). ``--ring`` adds the lean uniform sample with ring slots (valid
+CPU kernels). ``--reuse=N`` adds a portable table with ``max_times_sampled=N`` to the
+uniform case (its sample frees the items it uses up; flashbax has no reuse limit, so
+its step does less). ``--ring`` adds the lean uniform sample with ring slots (valid
 only without holes: what an O(1) position -> slot map would give).
 
 ``--platform`` (default: JAX's default backend) runs the same cases on a GPU or
@@ -252,7 +254,7 @@ def hlo_counts(fbx):
 
 # The options of ``run`` and their defaults (the absl flags below, and ``bench_core --scan``).
 OPTIONS = dict(rounds=5, target_s=0.15, cases="uniform,prioritized", hlo=False, ring=False,
-               native=True, platform="")
+               native=True, platform="", reuse=0)
 
 
 def start(**options):
@@ -315,6 +317,9 @@ def run(a):
       tables["native"] = fr.make_table(spec, native=True)
     if case == "uniform" and a.ring:  # what an O(1) position -> slot map would give
       tables["lean-ring"] = LeanRing(spec)
+    if case == "uniform" and a.reuse:  # Reverb's reuse limit: used-up items freed
+      tables[f"reuse{a.reuse}"] = fr.make_table(spec.replace(max_times_sampled=a.reuse),
+                                                native=False)
     if case == "uniform":
       runners = uniform_runners(tables, fbx, fill, xs16, xs1, a.target_s, xs1_long)
       kinds = ("scan", "smp-ins", "insert1", "insert1-1k")
@@ -356,6 +361,8 @@ if __name__ == "__main__":
                       "ordered")
   flags.DEFINE_bool("hlo", OPTIONS["hlo"], "print the HLO operation counts first")
   flags.DEFINE_bool("ring", OPTIONS["ring"], "also the lean sample with ring slots (no holes)")
+  flags.DEFINE_integer("reuse", OPTIONS["reuse"], "also a portable table with this "
+                       "max_times_sampled in the uniform case (0: not run)")
   flags.DEFINE_bool("native", OPTIONS["native"],
                     "also time native=True (CPU kernels; --native=0: portable vs flashbax)")
   flags.DEFINE_string("platform", OPTIONS["platform"],

@@ -203,6 +203,28 @@ def test_non_ring_insert_then_sample_in_a_scan_copies_no_tree(remover):
   assert _capacity_copies(run, t.init(), 0) == []
 
 
+@pytest.mark.parametrize("max_times", [0, 2], ids=["no_limit", "reuse_limit"])
+@pytest.mark.parametrize("remover", [fr.Fifo(), fr.Fifo(fill_holes=True), fr.Lifo(),
+                                     fr.MinHeap(), fr.Uniform()],
+                         ids=["ring", "fifo_fill_holes", "lifo", "min_heap", "uniform"])
+def test_uniform_sample_then_insert_in_a_scan_copies_no_column(remover, max_times):
+  # The lean uniform sample ordered its reads before a following insert through
+  # write_pos only, which a non-ring insert does not use: the data, occupied and
+  # item_info were copied every step (it ties the occupancy tree too now); with a reuse
+  # limit it frees used-up items (sampling.used_up) in place on every remover.
+  t = fr.make_table(fr.TableSpec(CAP, ITEM, remover=remover, max_times_sampled=max_times))
+
+  def run(s, i0):
+    def step(c, i):
+      s, acc = c
+      s, smp = t.sample(s, jax.random.PRNGKey(i), batch_size=8)
+      s = t.insert(s, _rows(4, 0), rng=jax.random.PRNGKey(i))
+      return (s, acc + jnp.sum(smp.data["obs"]) + jnp.sum(smp.info.probability)), None
+    return jax.lax.scan(step, (s, jnp.float32(0)), jnp.arange(4) + i0)[0]
+
+  assert _capacity_copies(run, t.init(), 0) == []
+
+
 @pytest.mark.parametrize("spec", [
     fr.queue(CAP, ITEM), fr.stack(CAP, ITEM),
     fr.TableSpec(CAP, ITEM, sampler=fr.MinHeap(), remover=fr.Fifo()),

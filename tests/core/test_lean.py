@@ -134,6 +134,37 @@ def test_uniform_valid_mask_probability_and_state():
     np.testing.assert_array_equal(np.asarray(getattr(st2, f)), np.asarray(getattr(st, f)))
 
 
+@pytest.mark.parametrize("replace", [False, True])
+@pytest.mark.parametrize("remover", [fr.Fifo(), fr.Fifo(fill_holes=True), fr.Lifo()],
+                         ids=["ring", "fifo_fill_holes", "lifo"])
+def test_uniform_with_a_reuse_limit_frees_as_the_general_program(remover, replace):
+  """With ``max_times_sampled`` the lean sample frees the items it used up
+  (``sampling.used_up``): the state is the general program's bookkeeping
+  (``sampling.finish``) for the same slots, leaf for leaf, over a few samples."""
+  from funcreplay.core.sampling.finish import finish as general_finish
+  spec = fr.TableSpec(8, EXAMPLE, remover=remover, max_times_sampled=2)
+  t = fr.make_table(spec, native=False)
+  st = t.insert(t.init(), _items(7))
+  lean = jax.jit(lambda s, k: lean_uniform.sample(spec, s, k, batch_size=4, replace=replace))
+  general = jax.jit(lambda s, slot, prob, n: general_finish(spec, s, slot, prob, n, None,
+                                                            replace))
+  freed = 0
+  for i in range(5):
+    new, smp = lean(st, jax.random.PRNGKey(i))
+    want, want_smp = general(st, smp.info.slot, smp.info.probability, smp.num_eligible)
+    got_leaves = jax.tree_util.tree_flatten_with_path(new)[0]
+    for (path, a), b in zip(got_leaves, jax.tree_util.tree_leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                    err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_array_equal(np.asarray(smp.info.times_sampled),
+                                  np.asarray(want_smp.info.times_sampled))
+    freed = int(t.stats(new).to_dict()["evicted_reuse"])
+    assert int(new.size) == 7 - freed and int(new.occ_tree[1]) == int(new.occupied.sum())
+    assert (np.asarray(new.times_sampled)[np.asarray(new.occupied)] < 2).all()
+    st = new
+  assert freed > 0
+
+
 def test_uniform_with_replacement_covers_the_items():
   spec, _, st = _table_with_hole()
   _, smp = lean_uniform.sample(spec, st, jax.random.PRNGKey(5), batch_size=64, replace=True)

@@ -164,11 +164,13 @@ def lean_program(spec: TableSpec, *, version=None, where=None, stratified: bool 
   """The lean portable sample program for these static arguments, or None.
 
   ``uniform_lean.sample`` / ``prioritized_lean.sample`` (BUILD.md "Lean
-  portable programs") when their ``applies`` holds (a Uniform / Prioritized
-  sampler, no ``where`` or staleness mask, ``max_times_sampled == 0``) and
-  the draw is not ``stratified``; they honour the same contract as the
-  general program (valid mask, probabilities, ``times_sampled``, counters)
-  with different random draws. Everything else takes the general program.
+  portable programs") when their ``applies`` holds (a Uniform sampler, no ``where``
+  or staleness mask, any reuse limit; a Prioritized one, no mask,
+  ``max_times_sampled == 0``) and the draw is not ``stratified``; they honour the
+  same contract as the general program (valid mask, probabilities,
+  ``times_sampled``, counters, used-up items freed) with different random draws
+  (the uniform one; the prioritized draw is the general program's). Everything
+  else takes the general program.
   """
   if stratified:
     return None

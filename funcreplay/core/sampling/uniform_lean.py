@@ -1,8 +1,9 @@
-"""Lean ``Uniform`` sampling: no masks, no reuse limit; exact, loop-free, no conditions.
+"""Lean ``Uniform`` sampling without masks: exact, loop-free, no conditions.
 
-Applies (``applies``) when the sampler is ``Uniform``, no ``where`` mask, no
-staleness mask (``version`` None or no ``max_staleness``) and
-``max_times_sampled == 0``. Any remover; the table may have holes.
+Applies (``applies``) when the sampler is ``Uniform``, no ``where`` mask and no
+staleness mask (``version`` None or no ``max_staleness``). Any remover, any reuse
+limit (an item is freed by the sample that uses it up, so every occupied item is
+eligible) but a heap remover's; the table may have holes.
 
 Program (B = batch size, N = ``state.size``, C = capacity, P = tree size):
 
@@ -20,11 +21,12 @@ Program (B = batch size, N = ``state.size``, C = capacity, P = tree size):
    memory-bound (BUILD.md "Lean portable programs", findings 8-10).
 3. Gather every data leaf and the info columns; ``times_sampled[slot] += 1``
    (one scatter-add); ``samples`` counter and ``limiter_diff``; with a
-   ``version``, the ``sampled_staleness_sum`` counter.
+   ``version``, the ``sampled_staleness_sum`` counter; with
+   ``max_times_sampled``, the used-up items freed (``used_up.free``, O(B log C)).
 
-Invariants kept: only ``times_sampled`` and the ledger change, exactly as the
-general ``sampling.sample`` changes them for the same slots (rows valid for
-``i < N``; invalid rows: slot -1, zero data, probability 0).
+Invariants kept: only ``times_sampled``, the ledger and (freeing) the occupancy and
+its trees change, exactly as the general ``sampling.sample`` changes them for the same
+slots (rows valid for ``i < N``; invalid rows: slot -1, zero data, probability 0).
 
 Random bits: ``bits.words(rng, B)``; row ``i`` draws ``j_i = i +
 floor((hi_i * 2**32 + lo_i) * (N - i) / 2**64)`` (with ``replace``: ``j_i =
@@ -44,15 +46,19 @@ from funcreplay.core import ledger_update as ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
 from funcreplay.core.inplace import materialize
+from funcreplay.core.sampling import used_up
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import Sample, SampleInfo, TableState
 
 
 def applies(spec: TableSpec, *, version=None, where=None) -> bool:
   """True when ``sample`` below may replace the general ``sampling.sample`` (static)."""
+  # A heap remover with a reuse limit (the freeing refreshes its stamp-ordered tree, and
+  # the order of those reads before a later insert's writes was not found without a copy
+  # of the tree) takes the general program; the native kernels have no heap remover.
   return (isinstance(spec.sampler, sel.Uniform) and where is None
-          and spec.max_times_sampled == 0
-          and (version is None or spec.max_staleness is None))
+          and (version is None or spec.max_staleness is None)
+          and not (spec.max_times_sampled > 0 and spec.touch_stamps))
 
 
 def positions(rng, n, b: int, replace: bool, n_max: int = 1 << 31):
@@ -201,11 +207,13 @@ def gather_rows(spec: TableSpec, state: TableState, slot, valid):
 
 
 def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, version,
-           reads=(), n_valid=None):
-  """The bookkeeping of a sample without a reuse limit: ``(state, Sample)``.
+           reads=(), n_valid=None, replace=False):
+  """The bookkeeping of a sample: ``(state, Sample)``.
 
   ``slot`` int32[B] in range (any value where not ``valid``), ``prob``
-  float32[B]; ``replace``-drawn duplicates are fine (the scatter adds).
+  float32[B]; ``replace``-drawn duplicates are fine (the scatter adds; ``replace``:
+  the batch may repeat a slot). With ``spec.max_times_sampled`` the items this sample
+  used up are freed (``used_up.free``).
   ``reads``: arrays the caller read from the state's columns or trees that
   feed neither ``slot`` nor the returned sample (see "Ordered" below).
   ``n_valid``: int32[], the number of valid rows when the caller knows it without
@@ -242,8 +250,20 @@ def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, 
       priority=jnp.where(valid, got["priority"], 0.0),
       times_sampled=jnp.where(valid, got["times_sampled"], 0),
       version=jnp.where(valid, item_version, 0))
+  state = state.replace(item_info=words)
+  if spec.max_times_sampled > 0:
+    state, freed = used_up.free(spec, state, slot, valid, got, replace)
+    adds.update(freed)
   flag = inplace.witness((data, info, reads))
-  state = ledger.update(state.replace(item_info=words), adds, dict(
+  if not sel.is_ring(spec.remover):
+    # Without the ring, a later insert writes its first rows at free slots it finds in
+    # the occupancy tree, not at ``write_pos``: those writes are ordered after this
+    # call's reads only if the tree depends on them too (a two-row scatter). Without
+    # this, a sample then insert in a scan copied the data, ``occupied`` and
+    # ``item_info`` every step (tests/core/test_inplace.py).
+    state = state.replace(occ_tree=inplace.tie(state.occ_tree,
+                                               lax.population_count(flag) > 32))
+  state = ledger.update(state, adds, dict(
       limiter_diff=rl.update_diff(spec.rate_limiter, state.limiter_diff, sampled=n_valid),
       write_pos=inplace.after(state.write_pos, flag)))
   info = dataclasses.replace(info, slot=inplace.after(info.slot, flag))
@@ -262,8 +282,8 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   """
   b = batch_size
   if not applies(spec, version=version):
-    raise ValueError("lean uniform sample: needs a Uniform sampler, max_times_sampled=0 and "
-                     "no staleness mask.")
+    raise ValueError("lean uniform sample: needs a Uniform sampler, no where or staleness "
+                     "mask, and no heap remover with a reuse limit.")
   # The size (occ_tree[1], a slice XLA re-fuses into each consumer) read once, so that
   # every use of it is ordered before a later insert's tree write (see ``finish``).
   n = inplace.once(state.size)
@@ -279,4 +299,4 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   prob = jnp.broadcast_to(fixedpoint.divide(1.0, jnp.maximum(n, 1).astype(jnp.float32)), (b,))
   # The valid rows are the first min(N, B) (without replacement) or all B when N > 0.
   n_valid = jnp.where(n > 0, b, 0) if replace else jnp.minimum(n, b)
-  return finish(spec, state, slot, valid, prob, n, version, n_valid=n_valid)
+  return finish(spec, state, slot, valid, prob, n, version, n_valid=n_valid, replace=replace)

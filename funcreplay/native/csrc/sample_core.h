@@ -183,9 +183,9 @@ inline int64_t SampleDraw(SampleJob& job, uint32_t k0, uint32_t k1, int32_t* pic
     return Successive(t.data(), p, k0, k1, b, job.replace, picked);
   }
   *total = 0.0f;
-  if (!job.masked && job.max_times_sampled == 0) {  // uniform_lean
-    return DrawUniformLean(job.tree, p, k0, k1, b, job.replace, picked);
-  }
+  // uniform_lean, with or without a reuse limit (used-up items are freed below, so
+  // every occupied item is eligible: sampling/used_up.py).
+  if (!job.masked) return DrawUniformLean(job.tree, p, k0, k1, b, job.replace, picked);
   return DrawUniformRounds(job.tree, p, c, k0, k1, b, job.replace,  // draw.draw_uniform
                            [&](int32_t s) { return job.Eligible(s); }, picked);
 }
