@@ -3,7 +3,8 @@
 #   1. a smoke test (versions, one insert + sample on the GPU);
 #   2. the backend oracle (tests/core/test_backends.py: CPU vs GPU, bit-identical) and the
 #      CUDA tests of the torch bridge (tests/interop/test_torch.py -k cuda);
-#   3. the in-scan benchmark against flashbax on the same GPU (bench_scan.py --platform=gpu);
+#   3. the in-scan benchmark against flashbax on the same GPU (bench_scan.py --platform=gpu,
+#      with a reuse-limited table), then the ordered samplers and Reverb's queue;
 #   4. with the time left, the core suite with the GPU as JAX's default backend.
 # Each step has its own time limit and log under $OUT (default results/gpu); a failing
 # step does not stop the next. Wheels in .whl/ (flashbax, dm-tree, ml-collections: what
@@ -49,7 +50,13 @@ EOF
 TAIL=40 step tests_gpu "${TESTS_S:-150}" env JAX_PLATFORMS=cuda,cpu $PY -m pytest -q -n 12 \
     -p no:cacheprovider -rf tests/core/test_backends.py tests/interop/test_torch.py \
     -k "cuda or backend"
-step bench_scan "${BENCH_S:-240}" $PY experiments/bench_scan.py --platform=gpu --rounds=5 --hlo
+step bench_scan "${BENCH_S:-240}" $PY experiments/bench_scan.py --platform=gpu --rounds=5 --hlo \
+    --reuse=8
+# The deterministic samplers' top-k selection against their old sort (ORDERED_S=0 skips).
+if [ "${ORDERED_S:-120}" != 0 ]; then
+  step bench_ordered "${ORDERED_S:-120}" $PY experiments/bench_scan.py --platform=gpu \
+      --rounds=3 --cases=ordered,queue
+fi
 # Whatever time is left (SUITE_S=0 skips it): the core suite with the GPU as the default
 # device. Its HLO-structure tests (test_hlo, test_lean, test_inplace, the storage gather
 # count) count XLA:CPU's program and fail on XLA:GPU's by design; the rest must pass.
