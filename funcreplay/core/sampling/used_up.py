@@ -2,8 +2,8 @@
 
 An item is freed by the sample that brings its reuse count to
 ``spec.max_times_sampled``, so every occupied item is below the limit: eligible still
-means occupied, and the lean draws (positions among the occupied slots, the weight
-tree) stay exact with a reuse limit. What changes is the bookkeeping after the draw,
+means occupied, and the lean draw (positions among the occupied slots) stays exact
+with a reuse limit. What changes is the bookkeeping after the draw,
 the general ``sampling.finish``'s and the native kernel's (``RunSample`` in
 csrc/sample_core.h) to the bit:
 
