@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from funcreplay.core import counters as ctr
 from funcreplay.core import indexes, item_info, ops, storage
 from funcreplay.core import rate_limiters as rl
+from funcreplay.core.sampling import used_up
 from funcreplay.core.state import Sample, SampleInfo
 
 
@@ -47,15 +48,13 @@ def finish(spec, state, picked, prob, num_eligible, ver, replace):
       times_sampled=jnp.where(valid, got["times_sampled"], 0),
       version=jnp.where(valid, got["version"], 0))
   if spec.max_times_sampled > 0:
-    exhausted = valid & (got["times_sampled"] >= spec.max_times_sampled)
-    if replace:  # a slot can appear twice: count it once (without, rows are distinct)
-      exhausted = ops.last_occurrence(safe, exhausted)
+    exhausted = used_up.used_up(spec, safe, valid, got["times_sampled"], replace)
     # The rows read above (after the increment, as remove would read them): the caller
     # orders that read before later writes (``inplace.settle`` of the sample).
     state = ops.remove(spec, state, safe, exhausted, "evicted_reuse", rows=got)
     # Sampled items had a positive weight: the zero-weight count does not move
     # (and leaves the draw zeroed would read as zero). The refresh reads the new
     # ``occupied`` (a -1 added to the count tree without that read, as the lean uniform
-    # sample does, made XLA copy ``occupied`` twice a step of a stack's scan).
+    # sample does on the ring, made XLA copy ``occupied`` twice a step of a stack's scan).
     state = indexes.refresh(spec, state, safe, exhausted, count_zero=False)
   return state, Sample(data=data, valid=valid, info=info, num_eligible=num_eligible)

@@ -31,6 +31,14 @@ from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
 
+def used_up(spec: TableSpec, slot, valid, times, replace: bool):
+  """bool[B]: the valid rows whose reuse count ``times`` (after this sample's increments)
+  reached ``spec.max_times_sampled``; with ``replace`` only a slot's last row (a slot
+  drawn twice is freed once). The rule of ``free`` and of the general finish."""
+  gone = valid & (times >= spec.max_times_sampled)
+  return last_occurrence(slot, gone) if replace else gone
+
+
 def free(spec: TableSpec, state: TableState, slot, valid, rows, replace: bool):
   """``(state, ledger adds)`` with the used-up items of a sample freed.
 
@@ -44,9 +52,7 @@ def free(spec: TableSpec, state: TableState, slot, valid, rows, replace: bool):
   for ``ledger_update.update``.
   """
   times = rows["times_sampled"]
-  gone = valid & (times >= spec.max_times_sampled)
-  if replace:
-    gone = last_occurrence(slot, gone)
+  gone = used_up(spec, slot, valid, times, replace)
   cap = spec.capacity
   idx = jnp.where(gone, slot, cap)
   if idx.shape[0] == 1:  # keep it a scatter, not a slice update (see ops.take)
