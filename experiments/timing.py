@@ -13,6 +13,14 @@ import numpy as np
 
 OBS = 64
 ITEM_BYTES = 2 * OBS * 4 + 3 * 4  # 524
+# ``Holder.runner`` passes call ``i`` the seed base ``i * KEYS_PER_CALL``: a scan of up to
+# this many steps seeds step ``j`` with ``base + j``, so no two calls share a key. With the
+# base ``i`` itself, call ``i + 1`` reused 49 of call ``i``'s 50 keys; a uniform sample of a
+# full table then re-read the rows it had read one call before, from the cache (a batch of
+# 256 rows of 524 bytes: ~6.5 MB a call), and every sampler whose slots follow from the key
+# alone (flashbax's, the descent over a full table) looked faster than one whose slots also
+# depend on the write position (BUILD.md finding 23). A training step draws fresh keys.
+KEYS_PER_CALL = 1 << 10
 
 
 def transitions(n: int, seed: int = 0) -> Dict[str, np.ndarray]:
@@ -80,7 +88,7 @@ class Holder:
 
   def runner(self, fn, *args, target_s):
     def step(i):
-      self.state, self.out = fn(self.state, i, *args)
+      self.state, self.out = fn(self.state, (i * KEYS_PER_CALL) % 2**31, *args)
     return Runner(step, lambda: jax.block_until_ready((self.state, self.out)), target_s)
 
 
