@@ -24,8 +24,9 @@ Ours: ``make_table(spec, native=False)`` (the portable programs; the lean ones
 where they apply, BUILD.md "Lean portable programs") and ``native=True`` (the
 CPU kernels). ``--reuse=N`` adds a portable table with ``max_times_sampled=N`` to the
 uniform case (its sample frees the items it uses up; flashbax has no reuse limit, so
-its step does less). ``--ring`` adds the lean uniform sample with ring slots (valid
-only without holes: what an O(1) position -> slot map would give).
+its step does less). ``--ring`` adds tables without holes (``TableSpec(holes=False)``:
+no delete, eviction or reuse limit, like a flashbax buffer; the uniform sample maps a
+position to its slot by ring arithmetic, BUILD.md finding 23), portable and native.
 
 ``--platform`` (default: JAX's default backend) runs the same cases on a GPU or
 TPU: flashbax's prioritised buffer is then built with its ``device=`` for that
@@ -62,7 +63,6 @@ from experiments import bench_scan_queue as queue  # noqa: E402
 from experiments import bench_scan_removers as removers  # noqa: E402
 from experiments.timing import Holder, consume, example, measure, transitions  # noqa: E402
 from funcreplay.core import hlo, ops  # noqa: E402
-from funcreplay.core.sampling import uniform_lean  # noqa: E402
 
 CAPACITY = 1 << 18
 FILL_CHUNK = 1 << 14  # rows per insert while filling (CAPACITY a multiple of it)
@@ -76,19 +76,6 @@ INS, SMP = 16, 256
 # the step's fixed costs show (BUILD.md finding 14: a hidden copy of the weight tree cost
 # 4.5x there, invisible at 256).
 SMALL_BATCHES = (8, 32)
-
-
-class LeanRing:
-  """The portable table with the lean uniform sample on ring slots (``ring=True``)."""
-
-  def __init__(self, spec):
-    self.spec = spec
-    t = fr.make_table(spec, native=False)
-    self.init, self.insert = t.init, t.insert
-
-  def sample(self, s, key, *, batch_size, replace=False):
-    return uniform_lean.sample(self.spec, s, key, batch_size=batch_size, replace=replace,
-                               ring=True)
 
 
 def _filled(t, fill):
@@ -233,6 +220,7 @@ def hlo_counts(fbx):
                              add_batches=True)
   pspec = spec.replace(sampler=fr.Prioritized(0.6))
   pt = fr.make_table(pspec, native=False)
+  nt = fr.make_table(spec.replace(holes=False), native=False)
   x16 = jax.tree_util.tree_map(jnp.asarray, transitions(INS))
   x1 = jax.tree_util.tree_map(lambda a: a[:1], x16)
   # The general insert (what ``insert`` runs with a mask): a comparison point.
@@ -241,6 +229,8 @@ def hlo_counts(fbx):
   return {
       "uniform sample b256": hlo.counts(lambda s, k: t.sample(s, k, batch_size=SMP), st, key,
                                         donate_argnums=0),
+      "uniform sample b256, holes=False": hlo.counts(
+          lambda s, k: nt.sample(s, k, batch_size=SMP), st, key, donate_argnums=0),
       "flashbax uniform sample b256": hlo.counts(lambda s, k: (s, buf.sample(s, k).experience),
                                                  buf.init(example()), key, donate_argnums=0),
       "prioritized sample b256": hlo.counts(lambda s, k: pt.sample(s, k, batch_size=SMP),
@@ -315,8 +305,10 @@ def run(a):
     tables = {"portable": fr.make_table(spec, native=False)}
     if platform == "cpu" and a.native:  # elsewhere native=True runs the portable programs
       tables["native"] = fr.make_table(spec, native=True)
-    if case == "uniform" and a.ring:  # what an O(1) position -> slot map would give
-      tables["lean-ring"] = LeanRing(spec)
+    if case == "uniform" and a.ring:  # a table without holes: the ring map, no descent
+      tables["noholes"] = fr.make_table(spec.replace(holes=False), native=False)
+      if platform == "cpu" and a.native:
+        tables["noholes-native"] = fr.make_table(spec.replace(holes=False), native=True)
     if case == "uniform" and a.reuse:  # Reverb's reuse limit: used-up items freed
       tables[f"reuse{a.reuse}"] = fr.make_table(spec.replace(max_times_sampled=a.reuse),
                                                 native=False)
@@ -360,7 +352,7 @@ if __name__ == "__main__":
                       "comma-separated: uniform, prioritized, prioritized-small, removers, queue, "
                       "ordered")
   flags.DEFINE_bool("hlo", OPTIONS["hlo"], "print the HLO operation counts first")
-  flags.DEFINE_bool("ring", OPTIONS["ring"], "also the lean sample with ring slots (no holes)")
+  flags.DEFINE_bool("ring", OPTIONS["ring"], "also tables without holes (TableSpec(holes=False))")
   flags.DEFINE_integer("reuse", OPTIONS["reuse"], "also a portable table with this "
                        "max_times_sampled in the uniform case (0: not run)")
   flags.DEFINE_bool("native", OPTIONS["native"],

@@ -374,6 +374,9 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
   if spec.capacity != saved_spec.capacity:
     state = (migrate.grow(saved_spec, spec, state) if num_shards is None
              else migrate.grow_sharded(saved_spec, spec, state, num_shards))
+  holes = migrate.holes_error(spec, state)
+  if holes:
+    raise CheckpointError(f"{path}: {holes}.")
   if as_numpy:
     pass
   elif num_shards is not None:

@@ -117,6 +117,8 @@ def spec_to_json(spec: TableSpec) -> Dict[str, Any]:
     out["columns"] = [c.to_json() for c in spec.columns]
   if spec.ragged:
     out["ragged"] = [{"leaf": i, **r.to_json()} for i, r in spec.ragged]
+  if not spec.holes:  # a promise about later operations: restores check the state instead
+    out["holes"] = False
   if spec.storage != storage.resolve(spec.signature, None, bool(spec.ragged)):
     out["storage"] = spec.storage  # chosen, not picked (a layout only: restores ignore it)
   return out
@@ -144,6 +146,7 @@ def spec_from_json(obj) -> TableSpec:
         metadata=metadata,
         default_priority=obj["default_priority"],
         storage=obj.get("storage"),
+        holes=obj.get("holes", True),
     )
   except CheckpointError:
     raise

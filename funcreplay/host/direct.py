@@ -49,7 +49,7 @@ from funcreplay.core import packing, powers
 from funcreplay.core.spec import TableSpec
 from funcreplay.native import build
 
-_ABI_VERSION = 7  # direct.cc's kAbiVersion
+_ABI_VERSION = 8  # direct.cc's kAbiVersion
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -62,7 +62,7 @@ class SampleArgs(ctypes.Structure):
   _fields_ = [(name, _I64) for name in (
       "abi", "batch", "capacity", "replace", "max_times_sampled", "n_data", "version",
       "min_valid", "max_staleness", "min_size", "has_min_diff", "q", "q_min", "tree_nodes",
-      "hist_size", "ledger_words", "out_bytes")] + [(name, _PTR) for name in (
+      "hist_size", "ledger_words", "out_bytes", "ring")] + [(name, _PTR) for name in (
       "row_bytes", "src_stride", "packed", "ledger_layout", "key", "occupied", "item_info",
       "occ_tree", "weight_tree", "ledger", "hist", "bounds", "out", "data", "flags")]
 
@@ -164,6 +164,7 @@ class DirectSampler:
     a.max_times_sampled = int(spec.max_times_sampled)
     a.n_data = n_data
     a.max_staleness = -1 if spec.max_staleness is None else spec.max_staleness
+    a.ring = int(not spec.holes)
     a.min_size = lim.min_size_to_sample
     a.has_min_diff = int(lim.q_min is not None)
     a.q = q

@@ -70,6 +70,7 @@ class UpdatesMixin:
   def delete(self, slots, keys) -> None:
     """Remove the items at ``slots`` that still hold ``keys`` (int[K] each; -1 slots ignored)."""
     self._check_open("delete")
+    ops.require_holes(self.spec, "Table.delete")
     s, k = self._slots_keys(slots, keys, "Table.delete")
     if s is None:
       return
@@ -99,6 +100,7 @@ class UpdatesMixin:
     if self.spec.max_staleness is None:
       raise ValueError("Table.evict_stale: the table has no max_staleness; set "
                        "TableSpec.max_staleness.")
+    ops.require_holes(self.spec, "Table.evict_stale")
     v = np.int32(_check_int(self._version if version is None else version,
                             "Table.evict_stale version"))
     with self._cond:

@@ -86,7 +86,8 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
   res = call(*operands, batch_size=b, capacity=c, replace=bool(replace),
              max_times_sampled=int(spec.max_times_sampled), has_version=has_version,
              max_staleness=-1 if spec.max_staleness is None else int(spec.max_staleness),
-             split_key=bool(split_key), packed=offsets, ledger=native.ledger_attr(spec),
+             split_key=bool(split_key), ring=not spec.holes, packed=offsets,
+             ledger=native.ledger_attr(spec),
              fields=field_words(spec))
   n_state = len(state_ops)
   occupied, item_info, occ_tree, weight_tree, ledger, hist, bounds = res[:_STATE_COLUMNS]

@@ -305,12 +305,16 @@ def test_lean_update_priorities_equals_the_general_one(sampler, k):
     st = want
 
 
-def test_ring_slots_are_ring_positions_without_holes():
-  spec = fr.TableSpec(8, EXAMPLE)
+@pytest.mark.parametrize("replace", [False, True])
+def test_a_table_without_holes_maps_positions_to_ring_slots(replace):
+  spec = fr.TableSpec(8, EXAMPLE, holes=False)
   t = fr.make_table(spec, native=False)
   st = t.insert(t.insert(t.init(), _items(8)), _items(3, 8))  # full, wrapped, no holes
   # Positions map to slots in ring order: oldest (slot 3) first.
-  x, _ = lean_uniform.positions(jax.random.PRNGKey(0), jnp.int32(8), 8, False, 8)
-  ring = np.asarray(lean_uniform.sample(spec, st, jax.random.PRNGKey(0), batch_size=8,
-                                        ring=True)[1].info.slot)
-  assert ring.tolist() == ((3 + np.asarray(x)) % 8).tolist()
+  x, _ = lean_uniform.positions(jax.random.PRNGKey(0), jnp.int32(8), 8, replace, 8)
+  _, got = jax.jit(lambda s, k: t.sample(s, k, batch_size=8, replace=replace))(
+      st, jax.random.PRNGKey(0))
+  assert np.asarray(got.info.slot).tolist() == ((3 + np.asarray(x)) % 8).tolist()
+  # The rows are those slots' items (payload = insertion index: 8, 9, 10 overwrote 0, 1, 2).
+  slot = np.asarray(got.info.slot)
+  assert np.asarray(got.data["a"]).tolist() == np.where(slot < 3, slot + 8, slot).tolist()

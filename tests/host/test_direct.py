@@ -50,6 +50,7 @@ SPECS = {
                                     max_times_sampled=2),
     "rate limited": dict(sampler=fr.Uniform(),
                          rate_limiter=fr.SampleToInsertRatio(2.0, 4, 6.0)),
+    "uniform, no holes": dict(sampler=fr.Uniform(), holes=False),  # the ring map
 }
 
 
@@ -106,7 +107,8 @@ def test_direct_matches_jitted_path(name, ops):
 
 
 @pytest.mark.parametrize("name", ["uniform, Uniform remover", "staleness + reuse",
-                                  "prioritized + staleness", "rate limited"])
+                                  "prioritized + staleness", "rate limited",
+                                  "uniform, no holes"])
 @settings(max_examples=6)
 @given(ops=OPS)
 def test_direct_matches_portable_program(name, ops):

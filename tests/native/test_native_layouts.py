@@ -50,7 +50,7 @@ def test_sample_kernel_refuses_a_reordered_operand():
   key = jnp.asarray(jax.random.PRNGKey(0))
   params = jnp.zeros((2,), jnp.int32)
   attrs = dict(batch_size=2, capacity=16, replace=False, max_times_sampled=0,
-               has_version=False, max_staleness=-1, split_key=False,
+               has_version=False, max_staleness=-1, split_key=False, ring=False,
                packed=np.array([-1], np.int64), ledger=native.ledger_attr(spec),
                fields=np.zeros((0,), np.int64))
 

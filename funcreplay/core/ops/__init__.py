@@ -21,11 +21,11 @@ from funcreplay.core.ops.queries import (
     stats,
     stats_from,
 )
-from funcreplay.core.ops.remove import delete, evict_stale, remove
+from funcreplay.core.ops.remove import delete, evict_stale, remove, require_holes
 from funcreplay.core.ops.rows import last_occurrence, take
 
 __all__ = [
     "Stats", "can_insert", "can_sample", "count", "delete", "eligible_mask", "evict_stale",
-    "insert", "last_occurrence", "masks_active", "remove", "set_metadata", "stale_mask",
-    "stats", "stats_from", "take", "update_priorities",
+    "insert", "last_occurrence", "masks_active", "remove", "require_holes", "set_metadata",
+    "stale_mask", "stats", "stats_from", "take", "update_priorities",
 ]

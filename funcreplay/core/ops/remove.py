@@ -20,6 +20,8 @@ def remove(spec: TableSpec, state: TableState, slots, mask, cause: str,
   ``rows``: the victims' ``item_info`` fields (``item_info.unpack``) when the caller has
   read them already and orders that read before its later writes itself (``sample``'s
   finish: its outputs are those rows); else they are read here, and ordered."""
+  if not spec.holes and cause != "evicted_capacity":  # the ring's own overwrite leaves none
+    require_holes(spec, f"removing items ({cause})")
   n = jnp.sum(mask).astype(jnp.uint32)
   if rows is None:
     rows = item_info.unpack(take(state.item_info, slots))  # one read of the victims' rows
@@ -42,8 +44,18 @@ def remove(spec: TableSpec, state: TableState, slots, mask, cause: str,
   return state.replace(occupied=occupied, counters=c)
 
 
+def require_holes(spec: TableSpec, what: str) -> None:
+  """Raise (when tracing, before anything changes) if ``spec.holes`` is False: ``what``
+  would leave a hole in a table that promised to have none (``TableSpec.holes``)."""
+  if not spec.holes:
+    raise ValueError(f"{what}: the table was made with TableSpec(holes=False), so items leave "
+                     "it only when the ring overwrites them; build it with holes=True (the "
+                     "default) to delete or evict items.")
+
+
 def delete(spec: TableSpec, state: TableState, slots, keys) -> TableState:
   """Remove the items at ``slots`` whose key still equals ``keys`` (int32/uint32 [K])."""
+  require_holes(spec, "delete")
   safe, ok = _key_matches(state, slots, keys)
   ok = last_occurrence(safe, ok)
   state = remove(spec, state, safe, ok, "deletes")
@@ -54,6 +66,7 @@ def evict_stale(spec: TableSpec, state: TableState, version) -> TableState:
   """Free every item too stale for ``version``. O(C)."""
   if spec.max_staleness is None:
     raise ValueError("evict_stale: the table has no max_staleness; set TableSpec.max_staleness.")
+  require_holes(spec, "evict_stale")
   stale = stale_mask(spec, state, version)
   slots = jnp.arange(spec.capacity, dtype=jnp.int32)
   state = remove(spec, state, slots, stale, "evicted_stale")

@@ -15,10 +15,9 @@ Program (B = batch size, N = ``state.size``, C = capacity, P = tree size):
    ``occupied`` bytes), O(B log P). Any
    bijection from ``[0, N)`` onto the occupied slots gives the same
    distribution; the descent works with holes, so there is no hole test, no
-   rejection and no fallback. It ends in one cache line of ``occupied`` per
-   row, what an O(1) position -> slot map would cost too (``ring=True`` is
-   such a map, an experiment valid only without holes); the step is
-   memory-bound (BUILD.md "Lean portable programs", findings 8-10).
+   rejection and no fallback. A table without holes (``TableSpec.holes``
+   False) maps ``x`` to the ``x``-th oldest item by ring arithmetic instead
+   (``ring_slot``, O(B), no read: BUILD.md finding 23).
 3. Gather every data leaf and the info columns; ``times_sampled[slot] += 1``
    (one scatter-add); ``samples`` counter and ``limiter_diff``; with a
    ``version``, the ``sampled_staleness_sum`` counter; with
@@ -196,6 +195,14 @@ def _descend(tree, k, leaf_levels: int):
   return node, k
 
 
+def ring_slot(spec: TableSpec, state: TableState, n, x):
+  """The slot of position ``x`` (int32[B], ``0 <= x < n``) in a table without holes
+  (``TableSpec.holes`` False): the stored items are the ``n`` slots written last, so
+  position ``x`` is the ``x``-th oldest, ``(write_pos - n + x) mod C``. O(B), no read."""
+  c = spec.capacity
+  return (state.write_pos - n + x + c) % c
+
+
 def gather_rows(spec: TableSpec, state: TableState, slot, valid):
   """The items at ``slot`` (int32[B], in range), zero where not ``valid``: one gather
   of whole rows with row storage (``core.storage``), else one per leaf."""
@@ -271,15 +278,8 @@ def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, 
 
 
 def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=None,
-           replace: bool = False, ring: bool = False):
-  """Lean uniform ``sample`` (see the module doc); ``(state, Sample)`` as ``sampling.sample``.
-
-  ``ring``: the caller guarantees a ``Fifo`` remover and a ring without holes
-  (no delete, reuse or staleness eviction ever: ``size == min(inserts, C)``);
-  position ``x`` is then slot ``(write_pos - size + x) mod C``, no descent.
-  An experiment (bench_lean ``lean-ring``) measuring what an O(1) position ->
-  slot map would buy; not for general use (with holes it samples wrongly).
-  """
+           replace: bool = False):
+  """Lean uniform ``sample`` (see the module doc); ``(state, Sample)`` as ``sampling.sample``."""
   b = batch_size
   if not applies(spec, version=version):
     raise ValueError("lean uniform sample: needs a Uniform sampler, no where or staleness "
@@ -291,10 +291,8 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   # Materialized twice: the positions feed every level of the descent, the
   # slots every gathered element (see ``materialize``).
   x = materialize(jnp.where(valid, x, 0))
-  if ring:
-    slot = materialize((state.write_pos - n + x + spec.capacity) % spec.capacity)
-  else:
-    slot = materialize(kth_occupied(state.occ_tree, x, state.occupied))
+  slot = materialize(ring_slot(spec, state, n, x) if not spec.holes
+                     else kth_occupied(state.occ_tree, x, state.occupied))
   # One division (fixedpoint.divide: exact, ~13 ns an element on XLA:CPU), then broadcast.
   prob = jnp.broadcast_to(fixedpoint.divide(1.0, jnp.maximum(n, 1).astype(jnp.float32)), (b,))
   # The valid rows are the first min(N, B) (without replacement) or all B when N > 0.

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 import jax
 import numpy as np
 
+from funcreplay.core import ops
 from funcreplay.core import selectors as sel
 from funcreplay.host.rollout import columns as col_lib
 from funcreplay.host.rollout.batch import HostSample, check_format
@@ -139,6 +140,8 @@ class RolloutMixin:
     """
     what = "Table.take_batch"
     self._check_open("take_batch")
+    if consume:
+      ops.require_holes(self.spec, what)
     counts = self._counts(counts, what)
     column, padded, k, keys = self._groups(column, list(counts), what)
     check_format(ragged, what)

@@ -65,6 +65,7 @@ namespace {
   X(int64_t, hist_size)        /* V (0 without staleness) */                    \
   X(int64_t, ledger_words)     /* words of the ledger */                        \
   X(int64_t, out_bytes)        /* bytes of the output buffer */                 \
+  X(int64_t, ring)             /* 1: a table without holes (TableSpec.holes) */ \
   X(const int64_t*, row_bytes) /* [n_data] bytes of each item field */          \
   X(const int64_t*, src_stride) /* [n_data] bytes from slot to slot of each */   \
   X(const int64_t*, packed)    /* [n_data + 9] packed offsets */                \
@@ -105,7 +106,7 @@ struct DirectUpdate { FR_UPDATE_FIELDS(FR_DECLARE) };
 #undef FR_DECLARE
 
 // 7: the four per-slot columns became one item_info pointer (funcreplay/core/item_info.py).
-constexpr int64_t kAbiVersion = 7;
+constexpr int64_t kAbiVersion = 8;
 
 // "name:offset:size;..." then "sizeof:N".
 #define FR_DESCRIBE(type, name)                                                  \
@@ -173,6 +174,7 @@ extern "C" int funcreplay_direct_sample(const DirectSample* cfg_ptr) {
   job.replace = cfg.replace != 0;
   job.max_times_sampled = cfg.max_times_sampled;
   job.max_staleness = cfg.max_staleness;
+  job.ring = cfg.ring != 0;
   job.has_version = true;  // a Table always samples at a version
   job.split_key = true;    // and keeps a key sequence
   job.key = cfg.key;

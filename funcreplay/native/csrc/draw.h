@@ -99,14 +99,22 @@ inline void AddCount(int32_t* tree, int64_t p, int64_t s, int32_t delta) {
 }
 
 // uniform_lean.sample's draw: positions on stream 0 (without replacement: a
-// partial Fisher-Yates; with: i.i.d.), each the k-th occupied slot. Returns
-// the number of valid rows (a prefix of picked).
-inline int64_t DrawUniformLean(const int32_t* tree, int64_t p, uint32_t k0, uint32_t k1,
-                               int64_t b, bool replace, int32_t* picked) {
+// partial Fisher-Yates; with: i.i.d.), each the k-th occupied slot, or with
+// write_pos >= 0 (a table without holes) the x-th oldest, (write_pos - size + x)
+// mod c (uniform_lean.ring_slot). Returns the number of valid rows (a prefix of picked).
+inline int64_t DrawUniformLean(const int32_t* tree, int64_t p, int64_t c, int32_t write_pos,
+                               uint32_t k0, uint32_t k1, int64_t b, bool replace,
+                               int32_t* picked) {
   const int64_t size = tree[1];
   std::vector<int64_t> x(b);
   const int64_t n = Positions(k0, k1, 0, size, b, replace, b, x.data());
-  KthOccupied(tree, p, x.data(), n, picked);
+  if (write_pos < 0) {
+    KthOccupied(tree, p, x.data(), n, picked);
+    return n;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    picked[i] = static_cast<int32_t>((write_pos - size + x[i] + c) % c);
+  }
   return n;
 }
 

@@ -58,7 +58,7 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs s
                       Out1<ffi::F32> weight_tree, Out1<ffi::U32> ledger, Out1<ffi::S32> hist,
                       Out1<ffi::S32> bounds, ffi::RemainingRets rets, int64_t batch_size,
                       int64_t capacity, bool replace, int64_t max_times_sampled,
-                      bool has_version, int64_t max_staleness, bool split_key,
+                      bool has_version, int64_t max_staleness, bool split_key, bool ring,
                       ffi::Span<const int64_t> packed, ffi::Span<const int64_t> ledger_layout,
                       ffi::Span<const int64_t> fields) {
   const int64_t b = batch_size;
@@ -94,6 +94,7 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs s
   job.max_staleness = max_staleness;
   job.has_version = has_version;
   job.split_key = split_key;
+  job.ring = ring;
   job.key = key.typed_data();
   job.version = params.typed_data()[0];
   job.enabled = params.typed_data()[1] != 0;  // false: sample nothing, change nothing
@@ -327,6 +328,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplaySample, SampleImpl,
                                   .Attr<bool>("has_version")
                                   .Attr<int64_t>("max_staleness")
                                   .Attr<bool>("split_key")
+                                  .Attr<bool>("ring")
                                   .Attr<ffi::Span<const int64_t>>("packed")
                                   .Attr<ffi::Span<const int64_t>>("ledger")
                                   .Attr<ffi::Span<const int64_t>>("fields"));

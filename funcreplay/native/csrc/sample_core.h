@@ -61,6 +61,9 @@ struct SampleJob {
   int64_t batch = 0, capacity = 0, max_times_sampled = 0;
   int64_t max_staleness = -1;  // -1: none
   bool replace = false, has_version = false;
+  // A table without holes (TableSpec.holes false): the unmasked uniform draw maps a
+  // position to its slot by ring arithmetic (uniform_lean.ring_slot), not the tree.
+  bool ring = false;
   // This call: the key words (threefry: 2), the version, whether to sample at
   // all, the slot mask (bool[C] or null), whether to split the key
   // (sampling.sample(split_key=True): next key = split(key)[0], sample with
@@ -185,7 +188,10 @@ inline int64_t SampleDraw(SampleJob& job, uint32_t k0, uint32_t k1, int32_t* pic
   *total = 0.0f;
   // uniform_lean, with or without a reuse limit (used-up items are freed below, so
   // every occupied item is eligible: sampling/used_up.py).
-  if (!job.masked) return DrawUniformLean(job.tree, p, k0, k1, b, job.replace, picked);
+  if (!job.masked) {
+    const int32_t write_pos = job.ring ? job.ledger.GetInt(kLWritePos) : -1;
+    return DrawUniformLean(job.tree, p, c, write_pos, k0, k1, b, job.replace, picked);
+  }
   return DrawUniformRounds(job.tree, p, c, k0, k1, b, job.replace,  // draw.draw_uniform
                            [&](int32_t s) { return job.Eligible(s); }, picked);
 }
