@@ -51,7 +51,7 @@ TAIL=40 step tests_gpu "${TESTS_S:-150}" env JAX_PLATFORMS=cuda,cpu $PY -m pytes
     -p no:cacheprovider -rf tests/core/test_backends.py tests/interop/test_torch.py \
     -k "cuda or backend"
 step bench_scan "${BENCH_S:-240}" $PY experiments/bench_scan.py --platform=gpu --rounds=5 --hlo \
-    --reuse=8
+    --reuse=8 --ring
 # The deterministic samplers' top-k selection against their old sort (ORDERED_S=0 skips).
 if [ "${ORDERED_S:-120}" != 0 ]; then
   step bench_ordered "${ORDERED_S:-120}" $PY experiments/bench_scan.py --platform=gpu \

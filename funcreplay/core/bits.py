@@ -40,6 +40,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from funcreplay.core.inplace import materialize_on_cpu
+
 _U16 = jnp.uint32(0xFFFF)
 
 
@@ -78,7 +80,10 @@ def words(key, n: int):
   k0, k1 = key[0].astype(jnp.uint32), key[1].astype(jnp.uint32)
   count = jnp.arange(2 * n, dtype=jnp.uint32)  # flat index; its high word is 0
   y0, y1 = threefry2x32(k0, k1, jnp.zeros_like(count), count)
-  w = (y0 ^ y1).reshape(2, n)
+  # Materialized on CPU: a consumer such as ``below`` reads each word several times, and
+  # XLA:CPU fused the ~100 operations of threefry into it once per read (BUILD.md finding
+  # 24: the random words of a 256-row draw 14 -> 2 us in a scan).
+  w = materialize_on_cpu(y0 ^ y1).reshape(2, n)
   return w[0], w[1]
 
 
@@ -151,7 +156,9 @@ def resolve(j, n_max: int = 1 << 31):
   p = jnp.full((b,), -1, jnp.int32).at[tgt].max(i, mode="drop")
   root = jnp.where(p < 0, i, p)
   for _ in range(max(0, (b - 1).bit_length())):  # chains are shorter than b
-    root = root[root]
+    # Materialized each jump on CPU: fused, the last jump would evaluate the first 2**k
+    # times per element (a jump reads its operand twice). BUILD.md finding 24.
+    root = materialize_on_cpu(root[root])
   w = root  # w_i: the value at position i before step i
   # The last l < i with j_l = j_i: its predecessor in the sort by (j, l).
   sj, si = sort_pairs(j, n_max)

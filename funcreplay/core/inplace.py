@@ -175,3 +175,13 @@ def materialize(x):
     raise TypeError(f"materialize: expected a 1-D integer array, got {x.dtype}{list(x.shape)}")
   low = jnp.full_like(x, jnp.iinfo(x.dtype).min)
   return jnp.max(jnp.stack([x, low]), axis=0)
+
+
+def materialize_on_cpu(x):
+  """``materialize(x)`` on CPU; ``x`` itself elsewhere.
+
+  For a value whose consumers read it more than once per element (``bits.words``' random
+  words, a pointer-jumping gather chain): XLA:CPU evaluates a fused producer once per
+  read, serially, and one materialization (~1 us) costs less. On a GPU the re-evaluation
+  runs in parallel inside one kernel, and a materialization is one more kernel launch."""
+  return lax.platform_dependent(x, cpu=materialize, default=lambda v: v)

@@ -185,7 +185,7 @@ def test_bench_scan_runs_every_case_at_a_tiny_size(monkeypatch, capsys):
   monkeypatch.setattr(bench_scan_removers, "FILL_CHUNK", 1 << 8)
   monkeypatch.setattr(bench_scan_queue, "CAPACITY", 1 << 10)
   monkeypatch.setattr(bench_scan_ordered, "CAPACITY", 1 << 10)
-  bench_scan.start(rounds=1, target_s=0.001, hlo=True, native=False, reuse=8,
+  bench_scan.start(rounds=1, target_s=0.001, hlo=True, native=False, reuse=8, ring=True,
                    cases="uniform,prioritized,prioritized-small,removers,queue,ordered")
   out = capsys.readouterr().out
   assert "HLO uniform sample b256" in out
@@ -193,6 +193,8 @@ def test_bench_scan_runs_every_case_at_a_tiny_size(monkeypatch, capsys):
   for kind in kinds:
     assert re.search(rf" {kind} +portable .* ratio +[0-9.]+x", out), (kind, out)
   assert re.search(r" scan +reuse8 .* ratio +[0-9.]+x", out), out
+  assert re.search(r" scan +noholes .* ratio +[0-9.]+x", out), out
+  assert "HLO uniform sample b256, holes=False" in out
   for remover in bench_scan_removers.REMOVERS:
     assert re.search(rf"removers +{remover} .* ratio +[0-9.]+x", out), (remover, out)
   for kind in bench_scan_queue.KINDS:
