@@ -85,6 +85,19 @@ def test_host_operations_that_leave_holes_are_refused_and_the_table_is_intact():
   table.close()
 
 
+_PROGRAMS = {}
+
+
+def _ring_programs(replace):
+  """``(spec, insert, sample)`` jitted once (hypothesis examples reuse the compilations)."""
+  if replace not in _PROGRAMS:
+    spec = _spec()
+    t = fr.make_table(spec, native=False)
+    _PROGRAMS[replace] = (spec, jax.jit(lambda s, x, m: t.insert(s, x, mask=m)),
+                          jax.jit(lambda s, k: t.sample(s, k, batch_size=5, replace=replace)))
+  return _PROGRAMS[replace]
+
+
 INSERTS = st.lists(st.tuples(st.integers(1, CAP), st.integers(0, 2**31 - 1)), min_size=1,
                    max_size=12)
 
@@ -95,11 +108,8 @@ def test_masked_inserts_keep_the_ring_and_samples_take_its_slots(inserts, replac
   """After any sequence of (masked) inserts and samples the items are the ring window
   before ``write_pos`` (``migrate.holes_error``), and a sample returns exactly the slots
   of the positions it drew, with their items."""
-  spec = _spec()
-  t = fr.make_table(spec, native=False)
-  insert = jax.jit(lambda s, x, m: t.insert(s, x, mask=m))
-  sample = jax.jit(lambda s, k: t.sample(s, k, batch_size=5, replace=replace))
-  state, payload, n, written = t.init(), {}, 0, 0
+  spec, insert, sample = _ring_programs(replace)
+  state, payload, n, written = fr.make_table(spec, native=False).init(), {}, 0, 0
   for b, r in inserts:
     mask = np.random.default_rng(r).random(b) < 0.7
     state = insert(state, _items(b, n), jnp.asarray(mask))
