@@ -29,6 +29,7 @@ from funcreplay.core import state as state_lib
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 from funcreplay.core.version import VERSION
+from funcreplay.host import consistency
 
 
 @dataclasses.dataclass(frozen=True)
@@ -374,7 +375,7 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
   if spec.capacity != saved_spec.capacity:
     state = (migrate.grow(saved_spec, spec, state) if num_shards is None
              else migrate.grow_sharded(saved_spec, spec, state, num_shards))
-  holes = migrate.holes_error(spec, state)
+  holes = consistency.holes_error(spec, state)
   if holes:
     raise CheckpointError(f"{path}: {holes}.")
   if as_numpy:

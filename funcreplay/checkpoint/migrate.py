@@ -91,28 +91,6 @@ def _rebuild(spec: TableSpec):
 caches.register("checkpoint.migrate.rebuild", _rebuild.cache_clear)
 
 
-def holes_error(spec: TableSpec, state: TableState) -> str:
-  """Why ``state`` (numpy leaves; ``[S, ...]`` for a sharded one) cannot be a state of
-  ``spec`` when ``spec.holes`` is False, or "" if it can: its items must be exactly the
-  ``size`` slots written last in each ring, ``(write_pos - size + i) mod C``
-  (``TableSpec.holes``; the uniform sample maps positions to those slots)."""
-  if spec.holes:
-    return ""
-  occupied = np.asarray(state.occupied)
-  write_pos = np.asarray(state.write_pos)
-  for s, (occ, wp) in enumerate(zip(occupied.reshape(-1, occupied.shape[-1]),
-                                    write_pos.reshape(-1))):
-    c, n = occ.shape[0], int(occ.sum())
-    want = np.zeros(c, bool)
-    want[(int(wp) - n + np.arange(n)) % c] = True
-    if not np.array_equal(occ, want):
-      where = f"shard {s}: " if occupied.ndim > 1 else ""
-      return (f"{where}its {n} items are not the last {n} slots written before write_pos "
-              f"{int(wp)} (a delete, eviction or reuse limit left holes), so it cannot "
-              "restore into a TableSpec(holes=False); restore with holes=True")
-  return ""
-
-
 def grow_sharded(old: TableSpec, new: TableSpec, state: TableState, num_shards: int) -> TableState:
   """``grow`` applied to each shard of a host sharded state (leaves ``[S, ...]``).
 

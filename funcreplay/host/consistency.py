@@ -26,6 +26,8 @@ invariant that does not hold:
 * ``times_sampled``: >= 0, and below ``max_times_sampled`` (when set) on
   occupied slots (an item reaching it is removed);
 * ``write_pos``: in ``[0, capacity)``;
+* ``occupied`` of a table without holes (``TableSpec.holes`` False): exactly the
+  ``size`` slots written last before ``write_pos`` (``holes_error``);
 * ``version_hist`` / ``version_bounds`` (``max_staleness``): the histogram
   of the occupied versions in the window ``(hi - V, hi]``, the count of the
   older ones, no item newer than ``hi``, ``old_min`` at most their minimum.
@@ -149,6 +151,28 @@ def _check_keys_and_counters(spec: TableSpec, state, occ: np.ndarray, size: int)
                  f"issued below next_key {next_key}")
 
 
+def holes_error(spec: TableSpec, state) -> str:
+  """Why ``state`` (numpy leaves; ``[S, ...]`` for a sharded one) cannot be a state of
+  ``spec`` when ``spec.holes`` is False, or "" if it can: its items must be exactly the
+  ``size`` slots written last in each ring, ``(write_pos - size + i) mod C``
+  (``TableSpec.holes``; the uniform sample maps positions to those slots)."""
+  if spec.holes:
+    return ""
+  occupied = np.asarray(state.occupied)
+  write_pos = np.asarray(state.write_pos)
+  for s, (occ, wp) in enumerate(zip(occupied.reshape(-1, occupied.shape[-1]),
+                                    write_pos.reshape(-1))):
+    c, n = occ.shape[0], int(occ.sum())
+    want = np.zeros(c, bool)
+    want[(int(wp) - n + np.arange(n)) % c] = True
+    if not np.array_equal(occ, want):
+      where = f"shard {s}: " if occupied.ndim > 1 else ""
+      return (f"{where}its {n} items are not the last {n} slots written before write_pos "
+              f"{int(wp)} (a delete, eviction or reuse limit left holes), so it cannot "
+              "restore into a TableSpec(holes=False); restore with holes=True")
+  return ""
+
+
 def check_state(spec: TableSpec, state) -> None:
   """Raise ``ValueError`` naming the first broken invariant of ``state`` (see module doc).
 
@@ -187,3 +211,6 @@ def check_state(spec: TableSpec, state) -> None:
   if not 0 <= write_pos < c:
     _fail("write_pos", f"{write_pos} is outside [0, {c})")
   _check_versions(spec, state, occ)
+  why = holes_error(spec, state)
+  if why:
+    _fail("occupied", why)

@@ -20,9 +20,9 @@ from scipy import stats
 
 import funcreplay as fr
 from funcreplay import checkpoint
-from funcreplay.checkpoint import migrate
 from funcreplay.core import hlo, ops
 from funcreplay.core.sampling import uniform_lean
+from funcreplay.host import consistency
 
 EXAMPLE = {"x": np.zeros((3,), np.float32), "a": np.int32(0)}
 CAP = 8
@@ -106,7 +106,7 @@ INSERTS = st.lists(st.tuples(st.integers(1, CAP), st.integers(0, 2**31 - 1)), mi
 @given(inserts=INSERTS, replace=st.booleans())
 def test_masked_inserts_keep_the_ring_and_samples_take_its_slots(inserts, replace):
   """After any sequence of (masked) inserts and samples the items are the ring window
-  before ``write_pos`` (``migrate.holes_error``), and a sample returns exactly the slots
+  before ``write_pos`` (``consistency.holes_error``), and a sample returns exactly the slots
   of the positions it drew, with their items."""
   spec, insert, sample = _ring_programs(replace)
   state, payload, n, written = fr.make_table(spec, native=False).init(), {}, 0, 0
@@ -118,7 +118,7 @@ def test_masked_inserts_keep_the_ring_and_samples_take_its_slots(inserts, replac
       written += 1
     n += b
     host = jax.tree_util.tree_map(np.asarray, state)
-    assert migrate.holes_error(spec, host) == ""
+    assert consistency.holes_error(spec, host) == ""
     state, got = sample(state, jax.random.PRNGKey(r))
     slot, valid = np.asarray(got.info.slot), np.asarray(got.valid)
     size = int(state.size)
@@ -183,6 +183,10 @@ def test_checkpoint_keeps_the_promise(tmp_path):
   checkpoint.save(str(tmp_path / "holed"), holed, loose)
   with pytest.raises(checkpoint.CheckpointError, match="not the last 7 slots written"):
     checkpoint.restore(str(tmp_path / "holed"), spec)
+  # A host Table adopting such a state checks it too (Table.from_state(check=True)).
+  with pytest.raises(ValueError, match="inconsistent state: occupied: .*not the last 7"):
+    fr.Table.from_state(spec, holed)
+  fr.Table.from_state(spec, state).close()
 
 
 @pytest.mark.parametrize("n", [5, CAP + 3])
