@@ -11,8 +11,9 @@ and slot ``s`` is leaf ``P + s``. Index 0 is unused.
   under a comparator (oldest key, lowest priority, ...), or -1. The root is
   the remover's next victim.
 
-Updates never touch more than the ``log2 P`` ancestors of the changed leaves,
-so a batch of B changes costs O(B log C). Every internal node is *recomputed*
+Updates touch the ``log2 P`` ancestors of the changed leaves (and, in a float
+sum tree, every node of the top few levels, at most ``2**_DENSE_MAX``), so a
+batch of B changes costs O(B log C). Every internal node is *recomputed*
 from its two children (never adjusted by a delta), so float sums cannot drift:
 each node is always exactly ``fl(left + right)`` of its current children.
 """
@@ -44,14 +45,19 @@ def build_sum(leaves: jnp.ndarray) -> jnp.ndarray:
 
 
 def refresh_sum(tree: jnp.ndarray, slots: jnp.ndarray, values: jnp.ndarray,
-                valid: jnp.ndarray | None = None) -> jnp.ndarray:
+                valid: jnp.ndarray | None = None, dense: int | None = None) -> jnp.ndarray:
   """Set leaves ``slots`` to ``values`` and recompute their ancestors.
+
+  The changed paths are recomputed up to depth ``dense`` (default
+  ``dense_depth(K)``), and every node above it from the nodes at that depth:
+  O(K log P + 2**dense) work, each node ``fl(left + right)`` as always.
 
   Args:
     tree: ``[2P]`` sum tree.
     slots: int32 ``[K]``; entries with ``valid=False`` are ignored.
     values: ``[K]`` new leaf values. Duplicate slots must carry equal values.
     valid: optional bool ``[K]``.
+    dense: static; the depth from which every node above is recomputed.
   """
   p = tree.shape[0] // 2
   if valid is None:
@@ -59,7 +65,28 @@ def refresh_sum(tree: jnp.ndarray, slots: jnp.ndarray, values: jnp.ndarray,
   leaf = jnp.where(valid, p + slots, 2 * p)  # out of range -> dropped
   tree = tree.at[leaf].set(values.astype(tree.dtype), mode="drop")
   block = _BLOCK if slots.shape[0] <= _FEW else _BLOCK_MANY
-  return _recompute_in_blocks(tree, jnp.where(valid, p + slots, p), valid, block)
+  if dense is None:
+    dense = dense_depth(slots.shape[0])
+  dense = min(dense, depth(p))
+  tree = _recompute_in_blocks(tree, jnp.where(valid, p + slots, p), valid, block,
+                              stop=dense)
+  return _recompute_top(tree, dense)
+
+
+def dense_depth(k: int) -> int:
+  """The depth above which ``refresh_sum`` of ``k`` leaves recomputes every node (static):
+  about ``2**_DENSE_MARGIN`` nodes per leaf, at most ``2**_DENSE_MAX`` in all."""
+  return max(0, min((k - 1).bit_length() + _DENSE_MARGIN, _DENSE_MAX))
+
+
+def _recompute_top(tree, dense: int):
+  """Every node above depth ``dense`` recomputed from the nodes at that depth, level by
+  level (``build_sum``: the same ``left + right`` as a sparse recompute, so unchanged
+  nodes keep their bits). O(2**dense), one update of the tree's first ``2**dense``."""
+  if dense == 0:
+    return tree
+  base = tree[1 << dense: 2 << dense]
+  return lax.dynamic_update_slice_in_dim(tree, build_sum(base)[1:1 << dense], 1, 0)
 
 
 # Levels recomputed per gather/scatter pair. Each array operation has a fixed
@@ -69,6 +96,16 @@ def refresh_sum(tree: jnp.ndarray, slots: jnp.ndarray, values: jnp.ndarray,
 # measured best for K = 256 in a scan (prioritized sample + update_priorities:
 # ~1.2x the speed of one level per pair, and of 3 or 4; CPU-time A/B, loaded VM).
 _FEW, _BLOCK, _BLOCK_MANY = 128, 4, 2
+
+# Above a depth where the K changed paths cover most nodes anyway, ``refresh_sum``
+# recomputes every node from one level (``_recompute_top``): a few thousand adds in one
+# or two operations instead of a gather and a scatter per pair of levels, each a fixed
+# cost on CPU. 2**_DENSE_MARGIN nodes per changed leaf at the dense level measured best
+# in a scan, C = 262,144 (BUILD.md finding 25): a prioritized insert of 1 / 16 rows
+# 5.4 -> 3.0 / 22.8 -> 15.4 us, sample 256 + update_priorities 291 -> 247 us; 2 or 4 gave
+# less for small K, 8 more for K = 256. At most 2**_DENSE_MAX nodes (64 KB of float32):
+# XLA:CPU splits an operation that reads more than 256 KB across its threads.
+_DENSE_MARGIN, _DENSE_MAX = 6, 14
 
 
 # Up to this many leaves, ``_blocks`` reads each block with its own dynamic slice. XLA:CPU
@@ -89,7 +126,7 @@ def _blocks(tree, starts, width: int):
                     for i in range(starts.shape[0])])
 
 
-def _recompute_in_blocks(tree, leaf, valid, block: int = _BLOCK):
+def _recompute_in_blocks(tree, leaf, valid, block: int = _BLOCK, stop: int = 0):
   """Recompute the ancestors of ``leaf`` (tree indices ``[K]``) ``block`` levels at a time.
 
   Each step gathers the ``2**k`` final nodes under the ancestor ``k`` levels
@@ -99,7 +136,7 @@ def _recompute_in_blocks(tree, leaf, valid, block: int = _BLOCK):
   changed paths are rewritten with the values they already hold.
   """
   p = tree.shape[0] // 2
-  done, levels = 0, depth(p)
+  done, levels = 0, depth(p) - stop
   while done < levels:
     k = min(block, levels - done)
     top = leaf >> (done + k)

@@ -39,8 +39,9 @@ def test_count_tree_refresh_equals_rebuild(capacity, updates):
 @given(st.integers(1, 300), st.lists(st.tuples(st.integers(0, 299), st.floats(0, 10, width=32)),
                                      min_size=1, max_size=6), st.integers(0, 2**16))
 def test_sum_tree_block_refresh_is_bit_identical(capacity, updates, seed):
-  """Few updates recompute 4 levels per step, many 2: the same bits, and those of a
-  tree built from scratch (every node fl(left + right) of its children)."""
+  """Few updates recompute 4 levels per step, many 2, the top levels densely from any
+  depth: the same bits, and those of a tree built from scratch (every node
+  fl(left + right) of its children)."""
   from funcreplay.core import trees
   p = 1 << max(0, (capacity - 1).bit_length())
   leaves = np.random.default_rng(seed).random(p).astype(np.float32)
@@ -57,8 +58,13 @@ def test_sum_tree_block_refresh_is_bit_identical(capacity, updates, seed):
                            jnp.asarray(np.r_[keep, np.zeros(pad, bool)]))
   np.testing.assert_array_equal(np.asarray(few).view(np.uint32), np.asarray(many).view(np.uint32))
   leaves[slots[keep]] = values[keep]
-  np.testing.assert_array_equal(np.asarray(few).view(np.uint32),
-                                np.asarray(trees.build_sum(jnp.asarray(leaves))).view(np.uint32))
+  want = np.asarray(trees.build_sum(jnp.asarray(leaves))).view(np.uint32)
+  np.testing.assert_array_equal(np.asarray(few).view(np.uint32), want)
+  # The top levels recomputed densely from any depth (0: none; the depth: all of them).
+  for dense in sorted({0, 1, 3, trees.depth(p)}):
+    got = trees.refresh_sum(tree, jnp.asarray(slots), jnp.asarray(values), jnp.asarray(keep),
+                            dense=dense)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want, err_msg=f"{dense=}")
   np.testing.assert_allclose(np.asarray(few[1]), leaves.astype(np.float64).sum(), rtol=1e-5)
 
 
