@@ -254,14 +254,17 @@ def descend_weight_blocked(tree: jnp.ndarray, targets: jnp.ndarray, materialize:
                            levels: int = 2, top_depth: int = 13) -> jnp.ndarray:
   """``descend_weight``, bit for bit, ``levels`` binary levels per step.
 
-  Each step reads every node of the ``levels`` levels below the current one
-  at once (independent loads: one round trip to memory instead of
-  ``levels`` dependent ones) and takes the same binary decisions, with the
-  same float operations, among them. ``materialize`` (``inplace.materialize``)
-  computes ``(node, target)`` once between steps, else XLA recomputes every
-  earlier step in each load. In a scan, 2 levels per step measured ~1.3x the
-  speed of ``descend_weight`` for M = 384 targets (3 levels ~1.25x, 4 less,
-  6 slower than one level).
+  Each step reads the ``2**levels`` nodes ``levels`` levels below the current
+  one (one aligned run: a single cache line, where a read of each level
+  was one line per level), rebuilds the levels between as their pairwise
+  sums (the stored nodes, bit for bit: every node is ``fl(left + right)``),
+  and takes the same binary decisions, with the same float operations, among
+  them. ``materialize`` (``inplace.materialize``) computes ``(node, target)``
+  once between steps, else XLA recomputes every earlier step in each load.
+  In a scan, 2 levels per step measured ~1.3x the speed of ``descend_weight``
+  for M = 384 targets (3 levels ~1.25x, 4 less, 6 slower than one level);
+  reading only the deepest level then took the prioritized step from 267 to
+  213 us (3 levels: 255; 4: several times slower; BUILD.md finding 25).
   """
   p = tree.shape[0] // 2
   node = jnp.ones(targets.shape, jnp.int32)
@@ -282,9 +285,15 @@ def descend_weight_blocked(tree: jnp.ndarray, targets: jnp.ndarray, materialize:
     step = min(levels, left)
     depth_now += step
     src = top if depth_now <= top_depth else tree
-    # The nodes at depth d below ``node`` are node * 2**d + [0, 2**d).
-    below = {(d, i): src[node * (1 << d) + i]
-             for d in range(1, step + 1) for i in range(1 << d)}
+    # The nodes at depth ``step`` below ``node`` are node * 2**step + [0, 2**step): one
+    # aligned run of 2**step floats (one cache line up to 16). The levels between are
+    # their pairwise sums, which are the stored nodes bit for bit (every node is
+    # fl(left + right) of its children, the module's invariant): one line read per step
+    # instead of one per level.
+    below = {(step, i): src[node * (1 << step) + i] for i in range(1 << step)}
+    for d in range(step - 1, 0, -1):
+      for i in range(1 << d):
+        below[(d, i)] = below[(d + 1, 2 * i)] + below[(d + 1, 2 * i + 1)]
     r = jnp.zeros_like(node)  # the path so far, relative to ``node``
     for d in range(1, step + 1):
       lsum, rsum = jnp.zeros_like(u), jnp.zeros_like(u)
