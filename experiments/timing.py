@@ -19,7 +19,7 @@ ITEM_BYTES = 2 * OBS * 4 + 3 * 4  # 524
 # full table then re-read the rows it had read one call before, from the cache (a batch of
 # 256 rows of 524 bytes: ~6.5 MB a call), and every sampler whose slots follow from the key
 # alone (flashbax's, the descent over a full table) looked faster than one whose slots also
-# depend on the write position (BUILD.md finding 23). A training step draws fresh keys.
+# depend on the write position (BUILD.md finding 24). A training step draws fresh keys.
 KEYS_PER_CALL = 1 << 10
 
 
