@@ -107,3 +107,22 @@ def ledger_attr(spec: TableSpec) -> np.ndarray:
   """
   p, q = spec.rate_limiter.ratio
   return np.array([*ledger.ledger_words(), p, q, rl.DIFF_LIMIT], np.int64)
+
+
+def state_aliases(state_ops, first: int) -> dict:
+  """``ffi_call``'s ``input_output_aliases`` for state operands ``state_ops`` (operands
+  ``first``, ``first + 1``, ...; result ``i`` is operand ``first + i``'s column).
+
+  Empty columns (a feature the spec leaves off: the weight tree of a uniform table, the
+  version index without ``max_staleness``) are left out. XLA folds an empty operand into
+  a constant, and a result aliased to a constant is a copy: one more operation per call
+  (inside ``lax.scan``, per step) for a column with nothing in it. Their results are
+  dropped instead (``keep_empty``); the kernels never write an empty column."""
+  return {first + i: i for i, x in enumerate(state_ops) if np.size(x) > 0}
+
+
+def keep_empty(results, state_ops) -> list:
+  """``results`` (one per state operand) with each empty column's result replaced by the
+  operand itself (``state_aliases``)."""
+  return [r if np.size(x) > 0 else x for x, r in zip(state_ops, results)] + list(
+      results[len(state_ops):])

@@ -51,9 +51,10 @@ def insert(spec: TableSpec, state: TableState, items, mask, versions, prios, met
   state_at = len(rows) + len(tail_rows)
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops]
   call = jax.ffi.ffi_call("funcreplay_fifo_insert", out_types, vmap_method="sequential",
-                          input_output_aliases={state_at + i: i for i in range(len(state_ops))})
-  res = call(*rows, *tail_rows, *state_ops, capacity=spec.capacity, n_meta=len(meta_names),
-             n_data=len(data_leaves), ledger=native.ledger_attr(spec))
+                          input_output_aliases=native.state_aliases(state_ops, state_at))
+  res = native.keep_empty(call(*rows, *tail_rows, *state_ops, capacity=spec.capacity,
+                               n_meta=len(meta_names), n_data=len(data_leaves),
+                               ledger=native.ledger_attr(spec)), state_ops)
   n_fixed = len(fixed_state)
   occupied, item_info, occ_tree, weight_tree, ledger, hist, bounds = res[:n_fixed]
   k = n_fixed + len(meta_names)

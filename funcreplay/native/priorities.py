@@ -36,8 +36,8 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
   call = jax.ffi.ffi_call(
       "funcreplay_update_priorities", [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops],
       vmap_method="sequential",
-      input_output_aliases={len(rows) + i: i for i in range(len(state_ops))})
-  occupied, item_info, weight_tree, ledger, occ_tree = call(
-      *rows, *state_ops, capacity=spec.capacity, ledger=native.ledger_attr(spec))
+      input_output_aliases=native.state_aliases(state_ops, len(rows)))
+  occupied, item_info, weight_tree, ledger, occ_tree = native.keep_empty(call(
+      *rows, *state_ops, capacity=spec.capacity, ledger=native.ledger_attr(spec)), state_ops)
   return state.replace(occupied=occupied, item_info=item_info, weight_tree=weight_tree,
                        ledger=ledger, occ_tree=occ_tree)

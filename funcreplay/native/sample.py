@@ -82,13 +82,13 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
   out_types += [jax.ShapeDtypeStruct((), jnp.int32)] * 2  # valid rows, num_eligible
   out_types.append(jax.ShapeDtypeStruct((2,), jnp.uint32))  # next key
   call = jax.ffi.ffi_call("funcreplay_sample", out_types, vmap_method="sequential",
-                          input_output_aliases={3 + i: i for i in range(len(state_ops))})
-  res = call(*operands, batch_size=b, capacity=c, replace=bool(replace),
+                          input_output_aliases=native.state_aliases(state_ops, 3))
+  res = native.keep_empty(call(*operands, batch_size=b, capacity=c, replace=bool(replace),
              max_times_sampled=int(spec.max_times_sampled), has_version=has_version,
              max_staleness=-1 if spec.max_staleness is None else int(spec.max_staleness),
              split_key=bool(split_key), ring=not spec.holes, packed=offsets,
              ledger=native.ledger_attr(spec),
-             fields=field_words(spec))
+             fields=field_words(spec)), state_ops)
   n_state = len(state_ops)
   occupied, item_info, occ_tree, weight_tree, ledger, hist, bounds = res[:_STATE_COLUMNS]
   new_data = res[_STATE_COLUMNS:n_state]

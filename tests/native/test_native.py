@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ from jax import lax
 
 import funcreplay as fr
 from funcreplay import native
-from funcreplay.core import indexes, ledger, ops, packing, sampling
+from funcreplay.core import hlo, indexes, ledger, ops, packing, sampling
 from funcreplay.native import sample as native_sample
 from tests.helpers import (
   ITEM,
@@ -367,3 +368,32 @@ def test_a_ledger_of_the_wrong_size_is_named():
   short = t.init().replace(ledger=jnp.zeros((5,), jnp.uint32))
   with pytest.raises(ValueError, match=r"state.ledger has shape \[5\]"):
     jax.jit(lambda s: t.insert(s, items_from_ids(np.arange(2)), version=0))(short)
+
+
+@pytest.mark.parametrize("sampler", [fr.Uniform(), fr.Prioritized(0.6)])
+def test_in_scan_kernels_copy_no_empty_column(sampler):
+  """A column a spec leaves off (the weight tree of a uniform table, the version index
+  without max_staleness) is empty; aliased to a kernel's result it was a copy of a
+  constant each step (native.state_aliases): 16 -> 10 operations a uniform step."""
+  spec = fr.TableSpec(64, {"obs": np.zeros(4, np.float32), "reward": np.float32(0)},
+                      sampler=sampler)
+  t = _table(spec)
+  xs = {"obs": jnp.zeros((5, 16, 4)), "reward": jnp.ones((5, 16))}
+
+  def step(s, x):
+    s, smp = t.sample(t.insert(s, x), jax.random.PRNGKey(0), batch_size=8)
+    if spec.prioritized:
+      s = t.update_priorities(s, smp.info.slot, smp.info.key, smp.data["reward"] + 1)
+    return s, smp.data["reward"].sum()
+
+  text = jax.jit(lambda s, xs: lax.scan(step, s, xs), donate_argnums=0).lower(
+      t.init(), xs).compile().as_text()
+  (body,) = hlo.loop_body_ops(text)
+  body_text = re.search(r"^%" + re.escape(body) + r" .*?^}", text, re.S | re.M).group(0)
+  kernels = 3 if spec.prioritized else 2
+  assert body_text.count("custom-call(") == kernels
+  empty_copies = re.findall(r"= [a-z0-9]+\[(?:0|[0-9,]*,0|0,[0-9,]*)\]\S* copy\(", body_text)
+  assert not empty_copies, body_text
+  state, sums = jax.jit(lambda s, xs: lax.scan(step, s, xs))(t.init(), xs)
+  np.testing.assert_array_equal(sums, 8.0)  # eight rows of reward 1 sampled every step
+  assert int(state.size) == 64
