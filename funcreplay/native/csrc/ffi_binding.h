@@ -35,7 +35,9 @@ using OutInfo = ffi::ResultBuffer<ffi::U32, 2>;  // item_info uint32[C, 4]
 // item_info.h), occ_tree int32[2P], weight_tree float32[2P] or [0] (not
 // prioritized), ledger uint32[L], version_hist int32[V], version_bounds
 // int32[3] (V > 0) or [0]; typed results. Each is also an operand, aliased to
-// its result (the kernels write through the results). Those operands stay in
+// its result (the kernels write through the results), but for an empty one
+// (native.state_aliases: XLA would copy the constant it folds it into), whose
+// result is an empty buffer nothing reads or writes. Those operands stay in
 // the handlers' RemainingArgs: jax.ffi.ffi_call refuses an alias whose operand
 // and result differ in shape or dtype when the call is traced, so the typed
 // result checks its operand too, and typing the operand again would only add
