@@ -174,10 +174,46 @@ def test_numpy_ring_reference_wraps():
   assert s["obs"].shape == (16, bench_core.OBS) and set(s["reward"]) <= set(ring.data["reward"])
 
 
-def test_bench_scan_runs_every_case_at_a_tiny_size(monkeypatch, capsys):
-  """``bench_scan.py``'s cases (issue 25's in-scan benchmark) run end to end and print a
-  ratio for each kind: at 4,096 rows (1,024 for the removers and the queue), one round,
-  portable only."""
+def _scan_case_checks():
+  """What ``bench_scan.py`` must print for each group of its cases (issue 25's in-scan
+  benchmark): a ratio for every kind, and the HLO counts with the uniform case."""
+  from experiments import bench_scan_ordered, bench_scan_queue, bench_scan_removers
+
+  def uniform(out):
+    assert "HLO uniform sample b256" in out
+    assert "HLO uniform sample b256, holes=False" in out
+    for kind in ["scan", "smp-ins", "insert1", "insert1-1k"]:
+      assert re.search(rf" {kind} +portable .* ratio +[0-9.]+x", out), (kind, out)
+    assert re.search(r" scan +reuse8 .* ratio +[0-9.]+x", out), out
+    assert re.search(r" scan +noholes .* ratio +[0-9.]+x", out), out
+
+  def prioritized(out):
+    for kind in ["prio", "prio8", "prio32"]:
+      assert re.search(rf" {kind} +portable .* ratio +[0-9.]+x", out), (kind, out)
+
+  def removers(out):
+    for remover in bench_scan_removers.REMOVERS:
+      assert re.search(rf"removers +{remover} .* ratio +[0-9.]+x", out), (remover, out)
+
+  def queue(out):
+    for kind in bench_scan_queue.KINDS:
+      assert re.search(rf"queue +{kind} +portable .* ratio +[0-9.]+x", out), (kind, out)
+
+  def ordered(out):
+    for kind in bench_scan_ordered.KINDS:
+      assert re.search(rf"ordered +{kind} +select .* sort .* ratio +[0-9.]+x", out), (kind, out)
+
+  return {"uniform": uniform, "prioritized,prioritized-small": prioritized,
+          "removers": removers, "queue": queue, "ordered": ordered}
+
+
+# One test per group of cases (not one for all): each compiles its own programs, and
+# pytest-xdist can run them on both workers (one test of every case took ~90 s).
+@pytest.mark.parametrize("cases", ["uniform", "prioritized,prioritized-small", "removers",
+                                   "queue", "ordered"])
+def test_bench_scan_runs_every_case_at_a_tiny_size(cases, monkeypatch, capsys):
+  """``bench_scan.py``'s cases run end to end and print a ratio for each kind: at 4,096
+  rows (1,024 for the removers and the queue), one round, portable only."""
   from experiments import bench_scan, bench_scan_ordered, bench_scan_queue, bench_scan_removers
   monkeypatch.setattr(bench_scan, "CAPACITY", 1 << 12)
   monkeypatch.setattr(bench_scan, "FILL_CHUNK", 1 << 10)
@@ -185,19 +221,6 @@ def test_bench_scan_runs_every_case_at_a_tiny_size(monkeypatch, capsys):
   monkeypatch.setattr(bench_scan_removers, "FILL_CHUNK", 1 << 8)
   monkeypatch.setattr(bench_scan_queue, "CAPACITY", 1 << 10)
   monkeypatch.setattr(bench_scan_ordered, "CAPACITY", 1 << 10)
-  bench_scan.start(rounds=1, target_s=0.001, hlo=True, native=False, reuse=8, ring=True,
-                   cases="uniform,prioritized,prioritized-small,removers,queue,ordered")
-  out = capsys.readouterr().out
-  assert "HLO uniform sample b256" in out
-  kinds = ["scan", "smp-ins", "insert1", "insert1-1k", "prio", "prio8", "prio32"]
-  for kind in kinds:
-    assert re.search(rf" {kind} +portable .* ratio +[0-9.]+x", out), (kind, out)
-  assert re.search(r" scan +reuse8 .* ratio +[0-9.]+x", out), out
-  assert re.search(r" scan +noholes .* ratio +[0-9.]+x", out), out
-  assert "HLO uniform sample b256, holes=False" in out
-  for remover in bench_scan_removers.REMOVERS:
-    assert re.search(rf"removers +{remover} .* ratio +[0-9.]+x", out), (remover, out)
-  for kind in bench_scan_queue.KINDS:
-    assert re.search(rf"queue +{kind} +portable .* ratio +[0-9.]+x", out), (kind, out)
-  for kind in bench_scan_ordered.KINDS:
-    assert re.search(rf"ordered +{kind} +select .* sort .* ratio +[0-9.]+x", out), (kind, out)
+  bench_scan.start(rounds=1, target_s=0.001, hlo=cases == "uniform", native=False, reuse=8,
+                   ring=True, cases=cases)
+  _scan_case_checks()[cases](capsys.readouterr().out)
