@@ -29,6 +29,10 @@ position ``l < i`` again, so only the writes ``A[j_l] = w_l`` matter, where
 * ``x_i = j_i`` unless some ``l < i`` had ``j_l = j_i``; then ``x_i = w_l``
   for the last such ``l``: one stable sort of the ``B`` pairs ``(j_l, l)``.
 
+Two executors of those two rules, equal value for value (``resolve``): on XLA:CPU a
+scatter and a sort (``resolve_sorted``), on accelerators, up to ``_PAIRS_MAX_B`` rows,
+``B x B`` comparisons (``resolve_pairs``), one reduction kernel there.
+
 So ``x`` is exactly the first ``B`` entries of a uniformly random
 permutation of ``[0, n)`` (every ordered ``B``-tuple of distinct values
 equally likely), in O(B log B) with no loop and no condition. Rows
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from funcreplay.core.inplace import materialize_on_cpu
 
@@ -145,21 +150,64 @@ def sort_pairs(j, n_max: int):
   return jax.lax.sort((j, i), num_keys=1, is_stable=True)
 
 
+# Batches up to this size resolve by all-pairs comparisons on accelerators. There the two
+# [B, B] comparisons of ``resolve_pairs`` are one reduction kernel (64K elements at
+# B = 256), where ``resolve_sorted`` is ~8 more kernels of ~1 us each on a GPU: two
+# scatters into fresh buffers with their broadcasts and copies, a sort, a gather
+# (experiments/gpu_hlo.py counts them; BUILD.md finding 27). On XLA:CPU the comparisons
+# cost more than the sort (in-scan uniform step 105 -> 155 us at B = 256), so the CPU
+# keeps it. The work grows as B**2: 1024 rows are 1M comparisons, microseconds on a GPU.
+_PAIRS_MAX_B = 1024
+
+
 def resolve(j, n_max: int = 1 << 31):
   """``x`` from the swap targets ``j`` (int32[B], ``j[i] >= i``, all ``< max(n_max, B)``):
-  see the module doc. ``n_max``: static bound of ``n`` (the capacity)."""
+  see the module doc. ``n_max``: static bound of ``n`` (the capacity).
+
+  The same values on every backend: ``resolve_sorted`` on CPU, ``resolve_pairs`` on
+  others for ``B <= _PAIRS_MAX_B`` (chosen when the program is lowered, not at run time:
+  no condition in the program)."""
+  if j.shape[0] > _PAIRS_MAX_B:
+    return resolve_sorted(j, n_max)
+  return lax.platform_dependent(j, cpu=lambda v: resolve_sorted(v, n_max),
+                                default=resolve_pairs)
+
+
+def _roots(p):
+  """w (int32[B]): the root reached from each ``i`` by following ``p`` (``p[q]`` the last
+  step that wrote position ``q``, -1 for none): pointer jumping, ``ceil(log2 B)`` gathers."""
+  b = p.shape[0]
+  i = jnp.arange(b, dtype=jnp.int32)
+  root = jnp.where(p < 0, i, p)
+  for _ in range(max(0, (b - 1).bit_length())):  # chains are shorter than b
+    # Materialized each jump on CPU: fused, the last jump would evaluate the first 2**k
+    # times per element (a jump reads its operand twice). BUILD.md finding 24.
+    root = materialize_on_cpu(root[root])
+  return root
+
+
+def resolve_pairs(j):
+  """``resolve`` by comparing all pairs of rows: O(B**2) elementwise work, no scatter and
+  no sort. ``p[q]`` (the last ``l != q`` with ``j_l = q``) and ``prev[i]`` (the last
+  ``l < i`` with ``j_l = j_i``) are maxima over ``[B, B]`` masks."""
+  b = j.shape[0]
+  i = jnp.arange(b, dtype=jnp.int32)
+  row, col = i[:, None], i[None, :]
+  p = jnp.max(jnp.where((j[None, :] == row) & (col != row), col, -1), axis=1)
+  prev = jnp.max(jnp.where((j[None, :] == j[:, None]) & (col < row), col, -1), axis=1)
+  return jnp.where(prev >= 0, _roots(p)[jnp.maximum(prev, 0)], j)
+
+
+def resolve_sorted(j, n_max: int = 1 << 31):
+  """``resolve`` by one scatter (``p``) and one sort of the ``(j_l, l)`` pairs (``prev``):
+  O(B log B). ``n_max`` as ``resolve``."""
   b = j.shape[0]
   i = jnp.arange(b, dtype=jnp.int32)
   # p[q]: the last step l < q that wrote position q (j_l = q); a root points at itself.
   # Every l with j_l = q has l <= q, so excluding l = q leaves l < q, and max is the last.
   tgt = jnp.where((j < b) & (j != i), j, b)
   p = jnp.full((b,), -1, jnp.int32).at[tgt].max(i, mode="drop")
-  root = jnp.where(p < 0, i, p)
-  for _ in range(max(0, (b - 1).bit_length())):  # chains are shorter than b
-    # Materialized each jump on CPU: fused, the last jump would evaluate the first 2**k
-    # times per element (a jump reads its operand twice). BUILD.md finding 24.
-    root = materialize_on_cpu(root[root])
-  w = root  # w_i: the value at position i before step i
+  w = _roots(p)  # w_i: the value at position i before step i
   # The last l < i with j_l = j_i: its predecessor in the sort by (j, l).
   sj, si = sort_pairs(j, n_max)
   same = jnp.concatenate([jnp.zeros((1,), bool), sj[1:] == sj[:-1]])

@@ -35,15 +35,38 @@ def _fisher_yates(j, n):
   return out
 
 
-@pytest.mark.parametrize("n_max", [1 << 31, 64])  # the two-operand and the packed sort
-def test_resolve_is_fisher_yates(n_max):
+# resolve's two executors, each called directly (resolve picks one per backend): the
+# sorted one with its two-operand and its packed sort, and the all-pairs one.
+_RESOLVERS = {"sorted": lambda j: draws.resolve_sorted(j, 1 << 31),
+              "sorted-packed": lambda j: draws.resolve_sorted(j, 64),
+              "pairs": draws.resolve_pairs,
+              "resolve": draws.resolve}
+
+
+@pytest.mark.parametrize("how", list(_RESOLVERS))
+def test_resolve_is_fisher_yates(how):
   rng = np.random.default_rng(0)
-  res = jax.jit(lambda j: draws.resolve(j, n_max))
+  res = jax.jit(_RESOLVERS[how])
   for _ in range(60):
     b = 13
     n = int(rng.integers(b, 50))
     j = np.array([rng.integers(i, n) for i in range(b)], np.int32)
     assert np.asarray(res(jnp.asarray(j))).tolist() == _fisher_yates(j, n)
+
+
+def test_resolve_pairs_equals_resolve_sorted():
+  """The accelerators' all-pairs resolve gives the CPU's sorted one's values, row for row,
+  for the batch sizes and table sizes of real draws: tables smaller than the batch (rows
+  ``i >= n`` keep ``j_i = i``), many collisions (n near b) and few (n >> b)."""
+  rng = np.random.default_rng(7)
+  pairs = jax.jit(draws.resolve_pairs)
+  for b in (1, 2, 5, 64, 256, draws._PAIRS_MAX_B):
+    sorted_ = jax.jit(lambda j: draws.resolve_sorted(j, 1 << 18))
+    for n in sorted({1, max(1, b // 2), b, b + 3, 4 * b, 1 << 18}):
+      i = np.arange(b)
+      j = np.where(i < n, i + (rng.random(b) * np.maximum(n - i, 1)).astype(np.int64), i)
+      j = jnp.asarray(j.astype(np.int32))
+      np.testing.assert_array_equal(np.asarray(pairs(j)), np.asarray(sorted_(j)))
 
 
 @pytest.mark.parametrize("n", [1, 7, 256])
