@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench bench-small bench-scan setup clean
+.PHONY: demo test test-all bench bench-small bench-scan gpu-hlo setup clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,5 +37,19 @@ PLATFORM ?=
 bench-scan: $(STAMP)
 	$(PY) experiments/bench_scan.py --rounds=5 --hlo --platform=$(PLATFORM)
 
+# XLA:GPU kernels a step of the in-scan programs, compiled for an H200 on a machine without
+# one (experiments/gpu_hlo.py). A venv of its own: the CUDA plugin makes JAX look for a GPU.
+# Needs ptxas (the CUDA toolkit's) on PATH or in /usr/local/cuda.
+GPU_HLO_VENV ?= .venv-gpu-hlo
+$(GPU_HLO_VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(GPU_HLO_VENV)
+	$(GPU_HLO_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_HLO_VENV)/bin/python -m pip install -q -c constraints.txt -e . flashbax==0.1.3 \
+	  jax-cuda13-plugin==0.10.2 jax-cuda13-pjrt==0.10.2
+	touch $@
+
+gpu-hlo: $(GPU_HLO_VENV)/.installed
+	$(GPU_HLO_VENV)/bin/python experiments/gpu_hlo.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(GPU_HLO_VENV) .pytest_cache .hypothesis

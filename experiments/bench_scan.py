@@ -61,17 +61,17 @@ import funcreplay as fr  # noqa: E402
 from experiments import bench_scan_ordered as ordered  # noqa: E402
 from experiments import bench_scan_queue as queue  # noqa: E402
 from experiments import bench_scan_removers as removers  # noqa: E402
-from experiments.timing import Holder, consume, example, measure, transitions  # noqa: E402
+from experiments import scan_steps  # noqa: E402
+from experiments.scan_steps import INS, SMP, STEPS  # noqa: E402
+from experiments.timing import Holder, example, measure, transitions  # noqa: E402
 from funcreplay.core import hlo, ops  # noqa: E402
 
 CAPACITY = 1 << 18
 FILL_CHUNK = 1 << 14  # rows per insert while filling (CAPACITY a multiple of it)
-STEPS = 50
 # ``insert1-1k``: the one-item insert in a 1000-step scan as well. A call has a fixed cost
 # (dispatch of the state's buffers, the loop's entry) that 50 steps of ~1 us do not hide;
 # 1000 steps show the per-step cost inside the loop, where a training step runs.
 LONG_STEPS = 1000
-INS, SMP = 16, 256
 # ``prioritized-small``: the batches of a small learner (or one that samples often), where
 # the step's fixed costs show (BUILD.md finding 14: a hidden copy of the weight tree cost
 # 4.5x there, invisible at 256).
@@ -97,113 +97,39 @@ def _fbx_filled(buf, fill):
 def uniform_runners(tables, fbx, fill, xs16, xs1, target_s, xs1_long):
   runners = {}
 
-  def scan_fn(t):
-    def f(s, i0, xs):
-      def body(c, x):
-        s, acc, v = c
-        s = t.insert(s, x)
-        s, smp = t.sample(s, jax.random.PRNGKey(v), batch_size=SMP)
-        return (s, acc + consume(smp.data), v + 1), None
-      (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
-      return s, acc
-    return f
-
-  def sample_insert_fn(t):  # the other order: the sample's reads, then the insert's writes
-    def f(s, i0, xs):
-      def body(c, x):
-        s, acc, v = c
-        s, smp = t.sample(s, jax.random.PRNGKey(v), batch_size=SMP)
-        s = t.insert(s, x)
-        return (s, acc + consume(smp.data), v + 1), None
-      (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
-      return s, acc
-    return f
-
-  def ins_fn(t):
-    def f(s, i0, xs):
-      s, _ = jax.lax.scan(lambda s, x: (t.insert(s, x), None), s, xs)
-      return s, None
-    return f
+  def add(name, h, steps):
+    runners[f"{name} scan"] = h.runner(jax.jit(steps["scan"], donate_argnums=0), xs16,
+                                       target_s=target_s)
+    runners[f"{name} insert1"] = h.runner(jax.jit(steps["insert1"], donate_argnums=0), xs1,
+                                          target_s=target_s)
+    runners[f"{name} insert1-1k"] = h.runner(jax.jit(steps["insert1"], donate_argnums=0),
+                                             xs1_long, target_s=target_s)
+    runners[f"{name} smp-ins"] = h.runner(jax.jit(steps["smp-ins"], donate_argnums=0), xs16,
+                                          target_s=target_s)
 
   for name, t in tables.items():
-    h = _filled(t, fill)
-    runners[f"{name} scan"] = h.runner(jax.jit(scan_fn(t), donate_argnums=0), xs16,
-                                       target_s=target_s)
-    runners[f"{name} insert1"] = h.runner(jax.jit(ins_fn(t), donate_argnums=0), xs1,
-                                          target_s=target_s)
-    runners[f"{name} insert1-1k"] = h.runner(jax.jit(ins_fn(t), donate_argnums=0), xs1_long,
-                                             target_s=target_s)
-    runners[f"{name} smp-ins"] = h.runner(jax.jit(sample_insert_fn(t), donate_argnums=0),
-                                          xs16, target_s=target_s)
+    add(name, _filled(t, fill), scan_steps.table_uniform_steps(t))
   buf = fbx.make_item_buffer(max_length=CAPACITY, min_length=1, sample_batch_size=SMP,
                              add_batches=True)
-  h = _fbx_filled(buf, fill)
-
-  def fscan(s, i0, xs):
-    def body(c, x):
-      s, acc, v = c
-      s = buf.add(s, x)
-      return (s, acc + consume(buf.sample(s, jax.random.PRNGKey(v)).experience), v + 1), None
-    (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
-    return s, acc
-
-  def fsi(s, i0, xs):
-    def body(c, x):
-      s, acc, v = c
-      acc = acc + consume(buf.sample(s, jax.random.PRNGKey(v)).experience)
-      return (buf.add(s, x), acc, v + 1), None
-    (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), xs)
-    return s, acc
-
-  def fins(s, i0, xs):
-    s, _ = jax.lax.scan(lambda s, x: (buf.add(s, x), None), s, xs)
-    return s, None
-
-  runners["flashbax scan"] = h.runner(jax.jit(fscan, donate_argnums=0), xs16, target_s=target_s)
-  runners["flashbax insert1"] = h.runner(jax.jit(fins, donate_argnums=0), xs1, target_s=target_s)
-  runners["flashbax insert1-1k"] = h.runner(jax.jit(fins, donate_argnums=0), xs1_long,
-                                            target_s=target_s)
-  runners["flashbax smp-ins"] = h.runner(jax.jit(fsi, donate_argnums=0), xs16, target_s=target_s)
+  add("flashbax", _fbx_filled(buf, fill), scan_steps.flashbax_uniform_steps(buf))
   return runners
 
 
 def prioritized_runners(tables, fbx, fill, target_s, platform="cpu", batch=SMP):
   """``prio`` (``batch`` = 256) or ``prio<batch>``: prioritized sample + update a step."""
   runners, kind = {}, _prio_kind(batch)
-
-  def step_fn(t):
-    def f(s, i0):
-      def body(c, _):
-        s, acc, v = c
-        s, smp = t.sample(s, jax.random.PRNGKey(v), batch_size=batch)
-        s = t.update_priorities(s, smp.info.slot, smp.info.key,
-                                jnp.abs(smp.data["reward"]) + 0.01)
-        return (s, acc + consume((smp.data, smp.info.probability)), v + 1), None
-      (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), None,
-                                    length=STEPS)
-      return s, acc
-    return f
-
   for name, t in tables.items():
     h = _filled(t, fill)
-    runners[f"{name} {kind}"] = h.runner(jax.jit(step_fn(t), donate_argnums=0),
-                                         target_s=target_s)
+    runners[f"{name} {kind}"] = h.runner(
+        jax.jit(scan_steps.table_prioritized_step(t, batch), donate_argnums=0),
+        target_s=target_s)
   buf = fbx.make_prioritised_item_buffer(max_length=CAPACITY, min_length=1,
                                          sample_batch_size=batch,
                                          add_batches=True, priority_exponent=0.6,
                                          device=platform)
   h = _fbx_filled(buf, fill)
-
-  def fprio(s, i0):
-    def body(c, _):
-      s, acc, v = c
-      smp = buf.sample(s, jax.random.PRNGKey(v))
-      s = buf.set_priorities(s, smp.indices, jnp.abs(smp.experience["reward"]) + 0.01)
-      return (s, acc + consume((smp.experience, smp.probabilities)), v + 1), None
-    (s, acc, _), _ = jax.lax.scan(body, (s, jnp.float32(0), jnp.int32(i0)), None, length=STEPS)
-    return s, acc
-
-  runners[f"flashbax {kind}"] = h.runner(jax.jit(fprio, donate_argnums=0), target_s=target_s)
+  runners[f"flashbax {kind}"] = h.runner(
+      jax.jit(scan_steps.flashbax_prioritized_step(buf), donate_argnums=0), target_s=target_s)
   return runners
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Dict
+from typing import Dict, List, Tuple
 
 import jax
 
@@ -70,7 +70,7 @@ def counts(fn, *args, donate_argnums=(), big: int = 1 << 16, **kwargs) -> Dict[s
 
 
 # What XLA:CPU runs as one operation of a loop body (a thunk): not these.
-_FREE = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
+FREE = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
 
 
 def loop_body_ops(hlo_text: str) -> Dict[str, int]:
@@ -94,6 +94,27 @@ def loop_body_ops(hlo_text: str) -> Dict[str, int]:
     n = 0
     for line in comps.get(body, []):
       op = _OPCODE.search(_COMMENT.sub("", line.split(", metadata=")[0]))
-      n += bool(op) and op.group(1) not in _FREE
+      n += bool(op) and op.group(1) not in FREE
     out[body] = n
   return out
+
+
+def scan_step_ops(hlo_text: str) -> List[Tuple[str, str, str]]:
+  """``(opcode, shape, op name)`` of each operation of the loop body of the entry's (first)
+  ``while``: a step of the ``lax.scan`` a program is, as ``loop_body_ops`` counts them.
+  A loop nested in a step (run by its own trips, e.g. inside a ``conditional``) is not
+  listed. The op name is the last part of JAX's ``op_name`` ('' if none)."""
+  head = re.search(r"while\(.*?body=%([\w.\-]+)", entry(hlo_text))
+  if head is None:
+    raise ValueError("scan_step_ops: the program's entry has no while loop (not a scan).")
+  body = re.search(r"^%" + re.escape(head.group(1)) + r" .*?^}", hlo_text, re.S | re.M)
+  out = []
+  for line in body.group(0).splitlines()[1:-1]:
+    op = _OPCODE.search(_COMMENT.sub("", line.split(", metadata=")[0]))
+    if op and op.group(1) not in FREE:
+      shape = re.search(r"=\s+(\([^=]*?\)|\S+)\s+[a-z]", line)
+      name = re.search(r'op_name="([^"]*)"', line)
+      out.append((op.group(1), shape.group(1) if shape else "",
+                  name.group(1).split("/")[-1] if name else ""))
+  return out
+

@@ -267,3 +267,25 @@ def test_scan_step_of_ring_inserts_has_few_operations(b):
   text = jax.jit(f, donate_argnums=0).lower(t.init(), xs).compile().as_text()
   (ops,) = hlo.loop_body_ops(text).values()
   assert ops <= MAX_INSERT_STEP_OPS[b], ops
+
+
+def test_scan_step_ops_lists_the_scans_own_step():
+  """``hlo.scan_step_ops`` (what experiments/gpu_hlo.py counts as a GPU step's kernels):
+  the operations of the entry's loop body, as many as ``loop_body_ops`` counts there, and
+  not those of a loop nested in the step (inside a ``conditional``: run per trip)."""
+  def f(x, n):
+    def step(x, _):
+      inner = lambda y: lax.fori_loop(0, n, lambda i, z: jnp.sin(z) * 2.0 + i, y)  # noqa: E731
+      x = lax.cond(x[0] > 0, inner, lambda y: y, x)
+      return jnp.cumsum(x) * 0.5, None
+    return lax.scan(step, x, None, length=8)[0]
+
+  text = jax.jit(f).lower(jnp.ones((64,)), 3).compile().as_text()
+  ops = hlo.scan_step_ops(text)
+  body = re.search(r"while\(.*?body=%([\w.\-]+)", hlo.entry(text)).group(1)
+  assert len(ops) == hlo.loop_body_ops(text)[body] > 0, ops
+  assert len(hlo.loop_body_ops(text)) == 2  # the nested loop exists, and is not listed
+  assert [o for o, _, _ in ops].count("conditional") == 1, ops
+  assert not any(o == "while" for o, _, _ in ops), ops
+  with pytest.raises(ValueError, match="no while loop"):
+    hlo.scan_step_ops(jax.jit(jnp.sin).lower(jnp.ones((3,))).compile().as_text())
