@@ -152,8 +152,8 @@ def sort_pairs(j, n_max: int):
 
 # Batches up to this size resolve by all-pairs comparisons on accelerators. There the two
 # [B, B] comparisons of ``resolve_pairs`` are one reduction kernel (64K elements at
-# B = 256), where ``resolve_sorted`` is ~8 more kernels of ~1 us each on a GPU: two
-# scatters into fresh buffers with their broadcasts and copies, a sort, a gather
+# B = 256), where ``resolve_sorted`` is 7 kernels more, of ~1 us each on a GPU: two
+# scatters into fresh buffers with their broadcasts and copies, the sort of packed pairs
 # (experiments/gpu_hlo.py counts them; BUILD.md finding 27). On XLA:CPU the comparisons
 # cost more than the sort (in-scan uniform step 105 -> 155 us at B = 256), so the CPU
 # keeps it. The work grows as B**2: 1024 rows are 1M comparisons, microseconds on a GPU.

@@ -117,4 +117,3 @@ def scan_step_ops(hlo_text: str) -> List[Tuple[str, str, str]]:
       out.append((op.group(1), shape.group(1) if shape else "",
                   name.group(1).split("/")[-1] if name else ""))
   return out
-
