@@ -39,7 +39,11 @@ def uniform_steps(insert, sample):
     def body(c, x):
       s, acc, v = c
       s, batch = sample(s, jax.random.PRNGKey(v))
-      return (insert(s, x), acc + consume(batch), v + 1), None
+      # Nothing orders flashbax's gather before its in-place add, so XLA copies its whole
+      # buffer every step in this order (~17 ms a step at 262,144 slots; README); ours
+      # orders its own reads (uniform_lean.finish; tests/experiments/test_scan_steps.py).
+      acc = acc + consume(batch)
+      return (insert(s, x), acc, v + 1), None
     return _scan(body, s, i0, xs)
 
   def insert1(s, i0, xs):
