@@ -112,6 +112,17 @@ def once(values):
   return jax.tree_util.tree_unflatten(treedef, [x[0] for x in out[1:]])
 
 
+def once_on_cpu(values):
+  """``once(values)`` on CPU; ``values`` themselves elsewhere.
+
+  For the lean samples' reads of the count tree's root (the size) and node 0: on XLA:GPU
+  the programs keep the trees in place without ``once`` (insert then sample, sample then
+  insert, a sample alone, a prioritized sample then ``update_priorities``: no big copy,
+  experiments/gpu_hlo.py), where its stacks and sort are 2-3 kernels a sample (BUILD.md
+  finding 27). The same values either way."""
+  return lax.platform_dependent(values, cpu=once, default=lambda v: v)
+
+
 def tie(leaf: jnp.ndarray, flag: jnp.ndarray) -> jnp.ndarray:
   """``leaf`` unchanged, but data-dependent on ``flag`` (an O(1) in-place update).
 

@@ -129,7 +129,7 @@ def _complete_successive(tree, rng, picked, n, m: int):
     t = trees.refresh_sum(t, jnp.maximum(pending, 0), jnp.zeros((b,), t.dtype), pending >= 0)
     alive = t[1] > 0
     hi, _ = stream_words(rng, m, j)
-    d = trees.descend_weight_blocked(t, _uniform24(hi) * t[1], inplace.materialize)
+    d = _descend_weight(t, _uniform24(hi) * t[1], inplace.materialize)
     new, _ = first_b(d, b, p)  # this round's distinct slots, in draw order
     rank = jnp.arange(b, dtype=jnp.int32)
     take = (new >= 0) & (rank < b - n) & alive
@@ -142,6 +142,23 @@ def _complete_successive(tree, rng, picked, n, m: int):
   return out[1]
 
 
+# Levels a step of the weight descent off the CPU. On a GPU each step is one materialized
+# kernel (~1 us whatever its work): 4 levels (16 one-element reads a target, then their
+# pairwise sums) take the 18 levels of a 262,144-slot tree in 5 steps instead of 9, three
+# kernels fewer a prioritized step (experiments/gpu_hlo.py, BUILD.md finding 27; 6 levels
+# no fewer). XLA:CPU runs 2 levels a step fastest (``trees.descend_weight_blocked``).
+ACCELERATOR_WEIGHT_LEVELS = 4
+
+
+def _descend_weight(tree, targets, materialize):
+  """``trees.descend_weight_blocked`` with each backend's levels a step: the same leaves,
+  bit for bit (chosen when the program is lowered: no condition in it)."""
+  return lax.platform_dependent(
+      tree, targets, cpu=lambda t, u: trees.descend_weight_blocked(t, u, materialize),
+      default=lambda t, u: trees.descend_weight_blocked(t, u, materialize,
+                                                        levels=ACCELERATOR_WEIGHT_LEVELS))
+
+
 def successive(tree, rng, b: int, replace: bool, n_max: int):
   """Prioritized draw from the sum ``tree`` (module doc): int32[b] slots, -1 padded."""
   m = b if replace else candidates_per_round(b)
@@ -152,8 +169,8 @@ def successive(tree, rng, b: int, replace: bool, n_max: int):
   # and the same key would descend differently there.
   targets = lax.bitcast_convert_type(inplace.materialize(
       lax.bitcast_convert_type(_uniform24(hi) * total, jnp.int32)), jnp.float32)
-  # Bit for bit trees.descend_weight, 2 levels per step (faster in a scan).
-  d = trees.descend_weight_blocked(tree, targets, inplace.materialize)
+  # Bit for bit trees.descend_weight, 2 levels per step on CPU (faster in a scan).
+  d = _descend_weight(tree, targets, inplace.materialize)
   alive = total > 0
   if replace:
     return jnp.where(alive, d, -1)

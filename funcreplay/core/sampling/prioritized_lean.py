@@ -8,7 +8,7 @@ Program (B batch, M = B + max(8, B // 2) candidates, T = ``weight_tree[1]``):
 1. ``M`` i.i.d. draws proportional to weight: ``u_m = (hi_m >> 8) * 2**-24``
    (``bits.words(rng, M)``, a float32 in [0, 1)), target ``u_m * T``, one
    vectorized descent of the weight tree (``trees.descend_weight_blocked``:
-   ``trees.descend_weight`` bit for bit, 2 levels per step), O(M log P).
+   ``trees.descend_weight`` bit for bit, 2 levels per step on CPU, 4 elsewhere), O(M log P).
 2. Without replacement: keep the first occurrence of each slot, in draw
    order, and the first B of those (one sort of M pairs). I.i.d. draws with
    repeats discarded are exactly successive sampling (sampling without
@@ -75,10 +75,10 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   prob = lax.bitcast_convert_type(inplace.materialize(lax.bitcast_convert_type(
       fixedpoint.divide(w_item, jnp.maximum(total, numerics.TINY)), jnp.int32)), jnp.float32)
   # Eligible = occupied with a positive weight (zero-weight items are never drawn).
-  # occ_tree's root (size) and node 0 (the zero-weight count) are read once (inplace.once)
-  # so the flag below orders them before a later update_priorities' write of the count
-  # (else XLA copies occ_tree).
-  size, zero = inplace.once((state.size, indexes.zero_weight_count(spec, state)))
+  # occ_tree's root (size) and node 0 (the zero-weight count) are read once (on CPU:
+  # inplace.once_on_cpu) so the flag below orders them before a later update_priorities'
+  # write of the count (else XLA:CPU copies occ_tree).
+  size, zero = inplace.once_on_cpu((state.size, indexes.zero_weight_count(spec, state)))
   num_eligible = size - zero
   # finish orders every read (these included) before a later insert / update_priorities.
   return uniform.finish(spec, state, slot, valid, prob, num_eligible, version,

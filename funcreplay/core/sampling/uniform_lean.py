@@ -284,12 +284,10 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   if not applies(spec, version=version):
     raise ValueError("lean uniform sample: needs a Uniform sampler, no where or staleness "
                      "mask, and no heap remover with a reuse limit.")
-  # The size (occ_tree[1], a slice XLA re-fuses into each consumer) read once on CPU, so
-  # that every use of it is ordered before a later insert's tree write (see ``finish``).
-  # XLA:GPU's programs keep the tree in place without it (insert then sample, sample then
-  # insert, sample alone; experiments/gpu_hlo.py), where it is two kernels a sample (a
-  # stack and a sort of two; BUILD.md finding 27).
-  n = lax.platform_dependent(state.size, cpu=inplace.once, default=lambda v: v)
+  # The size (occ_tree[1], a slice XLA re-fuses into each consumer) read once (on CPU:
+  # ``inplace.once_on_cpu``), so that every use of it is ordered before a later insert's
+  # tree write (see ``finish``).
+  n = inplace.once_on_cpu(state.size)
   x, valid = positions(rng, n, b, replace, spec.capacity)
   # Materialized twice: the positions feed every level of the descent, the
   # slots every gathered element (see ``materialize``).
