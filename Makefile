@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench bench-small bench-scan gpu-hlo setup clean
+.PHONY: demo test test-all bench bench-small bench-scan accel-hlo setup clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,19 +37,19 @@ PLATFORM ?=
 bench-scan: $(STAMP)
 	$(PY) experiments/bench_scan.py --rounds=5 --hlo --platform=$(PLATFORM)
 
-# XLA:GPU kernels a step of the in-scan programs, compiled for an H200 on a machine without
-# one (experiments/gpu_hlo.py). A venv of its own: the CUDA plugin makes JAX look for a GPU.
+# The in-scan programs compiled for an H200 and a TPU v5e on a machine with neither
+# (experiments/accel_hlo.py). A venv of its own: the plugins make JAX look for devices.
 # Needs ptxas (the CUDA toolkit's) on PATH or in /usr/local/cuda.
-GPU_HLO_VENV ?= .venv-gpu-hlo
-$(GPU_HLO_VENV)/.installed: pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(GPU_HLO_VENV)
-	$(GPU_HLO_VENV)/bin/python -m pip install -q --upgrade pip
-	$(GPU_HLO_VENV)/bin/python -m pip install -q -c constraints.txt -e . flashbax==0.1.3 \
-	  jax-cuda13-plugin==0.10.2 jax-cuda13-pjrt==0.10.2
+ACCEL_HLO_VENV ?= .venv-accel-hlo
+$(ACCEL_HLO_VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(ACCEL_HLO_VENV)
+	$(ACCEL_HLO_VENV)/bin/python -m pip install -q --upgrade pip
+	$(ACCEL_HLO_VENV)/bin/python -m pip install -q -c constraints.txt -e . flashbax==0.1.3 \
+	  jax-cuda13-plugin==0.10.2 jax-cuda13-pjrt==0.10.2 'libtpu==0.0.42.*'
 	touch $@
 
-gpu-hlo: $(GPU_HLO_VENV)/.installed
-	$(GPU_HLO_VENV)/bin/python experiments/gpu_hlo.py
+accel-hlo: $(ACCEL_HLO_VENV)/.installed
+	$(ACCEL_HLO_VENV)/bin/python experiments/accel_hlo.py
 
 clean:
-	rm -rf $(VENV) $(GPU_HLO_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(ACCEL_HLO_VENV) .pytest_cache .hypothesis

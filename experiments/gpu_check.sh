@@ -4,7 +4,7 @@
 #   2. the backend oracle (tests/core/test_backends.py: CPU vs GPU, bit-identical) and the
 #      CUDA tests of the torch bridge (tests/interop/test_torch.py -k cuda);
 #   3. the in-scan benchmark against flashbax on the same GPU (bench_scan.py --platform=gpu,
-#      with a reuse-limited table), the kernels a step of its programs (gpu_hlo.py), then
+#      with a reuse-limited table), the kernels a step of its programs (accel_hlo.py), then
 #      the ordered samplers and Reverb's queue;
 #   4. with the time left, the core suite with the GPU as JAX's default backend.
 # Each step has its own time limit and log under $OUT (default results/gpu); a failing
@@ -53,9 +53,9 @@ TAIL=40 step tests_gpu "${TESTS_S:-150}" env JAX_PLATFORMS=cuda,cpu $PY -m pytes
     -k "cuda or backend"
 step bench_scan "${BENCH_S:-240}" $PY experiments/bench_scan.py --platform=gpu --rounds=5 --hlo \
     --reuse=8 --ring
-# The kernels a step of the same programs, counted as experiments/gpu_hlo.py counts them
+# The kernels a step of the same programs, counted as experiments/accel_hlo.py counts them
 # (the deviceless count for an H200, BUILD.md finding 27), next to the times above.
-step gpu_hlo 120 $PY experiments/gpu_hlo.py
+step accel_hlo 120 $PY experiments/accel_hlo.py
 # The deterministic samplers' top-k selection against their old sort (ORDERED_S=0 skips).
 if [ "${ORDERED_S:-120}" != 0 ]; then
   step bench_ordered "${ORDERED_S:-120}" $PY experiments/bench_scan.py --platform=gpu \

@@ -1,6 +1,6 @@
 """The in-scan step programs of issue 25's cases, ours and flashbax's, built once.
 
-``bench_scan.py`` times them; ``gpu_hlo.py`` compiles them for a GPU without one and
+``bench_scan.py`` times them; ``accel_hlo.py`` compiles them for a GPU without one and
 counts their kernels. Every program is ``f(state, i0, xs) -> (state, acc)`` (the
 prioritized ones ``f(state, i0)``): a ``lax.scan`` whose step ``v`` samples with
 ``PRNGKey(i0 + v)``, and ``acc`` reads every sampled leaf (``timing.consume``), so XLA

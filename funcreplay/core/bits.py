@@ -154,7 +154,7 @@ def sort_pairs(j, n_max: int):
 # [B, B] comparisons of ``resolve_pairs`` are one reduction kernel (64K elements at
 # B = 256), where ``resolve_sorted`` is 7 kernels more, of ~1 us each on a GPU: two
 # scatters into fresh buffers with their broadcasts and copies, the sort of packed pairs
-# (experiments/gpu_hlo.py counts them; BUILD.md finding 27). On XLA:CPU the comparisons
+# (experiments/accel_hlo.py counts them; BUILD.md finding 27). On XLA:CPU the comparisons
 # cost more than the sort (in-scan uniform step 105 -> 155 us at B = 256), so the CPU
 # keeps it. The work grows as B**2: 1024 rows are 1M comparisons, microseconds on a GPU.
 _PAIRS_MAX_B = 1024

@@ -118,7 +118,7 @@ def once_on_cpu(values):
   For the lean samples' reads of the count tree's root (the size) and node 0: on XLA:GPU
   the programs keep the trees in place without ``once`` (insert then sample, sample then
   insert, a sample alone, a prioritized sample then ``update_priorities``: no big copy,
-  experiments/gpu_hlo.py), where its stacks and sort are 2-3 kernels a sample (BUILD.md
+  experiments/accel_hlo.py), where its stacks and sort are 2-3 kernels a sample (BUILD.md
   finding 27). The same values either way."""
   return lax.platform_dependent(values, cpu=once, default=lambda v: v)
 

@@ -270,7 +270,7 @@ def test_scan_step_of_ring_inserts_has_few_operations(b):
 
 
 def test_scan_step_ops_lists_the_scans_own_step():
-  """``hlo.scan_step_ops`` (what experiments/gpu_hlo.py counts as a GPU step's kernels):
+  """``hlo.scan_step_ops`` (what experiments/accel_hlo.py counts as a GPU step's kernels):
   the operations of the entry's loop body, as many as ``loop_body_ops`` counts there, and
   not those of a loop nested in the step (inside a ``conditional``: run per trip)."""
   def f(x, n):

@@ -1,4 +1,4 @@
-"""The in-scan step programs that bench_scan.py times and gpu_hlo.py counts
+"""The in-scan step programs that bench_scan.py times and accel_hlo.py counts
 (experiments/scan_steps.py): ours update the state in place in every order of calls, and
 so does flashbax's in the cases whose ratios are the headline (insert then sample, insert).
 

@@ -145,7 +145,7 @@ def _complete_successive(tree, rng, picked, n, m: int):
 # Levels a step of the weight descent off the CPU. On a GPU each step is one materialized
 # kernel (~1 us whatever its work): 4 levels (16 one-element reads a target, then their
 # pairwise sums) take the 18 levels of a 262,144-slot tree in 5 steps instead of 9, three
-# kernels fewer a prioritized step (experiments/gpu_hlo.py, BUILD.md finding 27; 6 levels
+# kernels fewer a prioritized step (experiments/accel_hlo.py, BUILD.md finding 27; 6 levels
 # no fewer). XLA:CPU runs 2 levels a step fastest (``trees.descend_weight_blocked``).
 ACCELERATOR_WEIGHT_LEVELS = 4
 
