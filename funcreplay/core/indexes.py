@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay.core import inplace, ordering, powers, staleness, trees
+from funcreplay.core import inplace, item_info, ordering, powers, staleness, trees
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -59,7 +59,7 @@ def refresh(spec: TableSpec, state: TableState, slots, valid=None,
   if spec.prioritized and count_zero and "weight_tree" in which:
     p = spec.tree_size
     old_occ, old_w = occ_tree[p + safe], state.weight_tree[p + safe]
-    new_w = sample_weight(spec, occ, state.priority[safe])
+    new_w = sample_weight(spec, occ, item_info.at(state.item_info, safe, "priority"))
     delta = (jnp.sum(valid & occ & (new_w <= 0), dtype=jnp.int32)
              - jnp.sum(valid & (old_occ > 0) & (old_w <= 0), dtype=jnp.int32))
     # The tree updates below write in place: order these reads before them.
@@ -70,7 +70,7 @@ def refresh(spec: TableSpec, state: TableState, slots, valid=None,
     occ_tree = trees.refresh_count(occ_tree, safe, occ.astype(jnp.int32), valid)
   weight_tree = state.weight_tree
   if spec.prioritized and "weight_tree" in which:
-    w = sample_weight(spec, occ, state.priority[safe])
+    w = sample_weight(spec, occ, item_info.at(state.item_info, safe, "priority"))
     weight_tree = trees.refresh_sum(weight_tree, safe, w, valid)
   remover_tree = state.remover_tree
   if spec.needs_remover_tree and "remover_tree" in which:

@@ -94,6 +94,14 @@ def column(info, name: str):
   return from_words(checked(info)[..., _field(name)], name)
 
 
+def at(info, slots, name: str):
+  """Field ``name`` of the slots ``slots`` (int32[K]): ``[K]`` of its dtype, gathered from
+  ``info`` itself. Not ``column(info, name)[slots]``: a gather's operand is a buffer on
+  XLA:TPU, so that column (a strided slice of ``info``) was copied out whole, O(C) every
+  call (BUILD.md finding 28); XLA:CPU and XLA:GPU fuse either form into the gather."""
+  return from_words(checked(info)[slots, _field(name)], name)
+
+
 def unpack(words) -> Dict[str, jnp.ndarray]:
   """``uint32[..., WIDTH]`` rows (say ``item_info[slots]``) -> name -> ``[...]`` typed."""
   return {name: from_words(words[..., i], name) for i, name in enumerate(FIELDS)}

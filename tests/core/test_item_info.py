@@ -43,6 +43,30 @@ def test_rows_round_trip_bit_exactly_on_host_and_device(rows):
                                     want.view(np.uint32), err_msg=name)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(U32, I32, I32, F32), min_size=1, max_size=9), st.data())
+def test_at_reads_the_field_of_the_slots(rows, data):
+  """``item_info.at(info, slots, name)`` (a gather from ``info`` itself, what the lean
+  programs read) is ``column(info, name)[slots]``, bit for bit, on host and device, for
+  one slot, several (repeats included) and a scalar index."""
+  key, version, times, prio = (np.array(c, dt) for c, dt in zip(
+      zip(*rows), (np.uint32, np.int32, np.int32, np.float32)))
+  host = item_info.pack(key=key, version=version, times_sampled=times, priority=prio)
+  n = len(rows)
+  slots = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=6)),
+                   np.int32)
+  for name in item_info.FIELDS:
+    want = item_info.column(host, name)[slots].view(np.uint32)
+    for info in (host, jnp.asarray(host)):
+      got = np.asarray(item_info.at(info, slots, name))
+      assert got.dtype == np.dtype(item_info.DTYPES[name]), name
+      np.testing.assert_array_equal(got.view(np.uint32), want, err_msg=name)
+    jitted = jax.jit(lambda i, s, name=name: item_info.at(i, s, name))(host, slots)
+    np.testing.assert_array_equal(np.asarray(jitted).view(np.uint32), want, err_msg=name)
+    scalar = np.asarray(item_info.at(jnp.asarray(host), jnp.int32(slots[0]), name))
+    assert scalar.shape == () and scalar.view(np.uint32) == want[0], name
+
+
 def test_pack_mixes_host_constants_and_traced_words():
   # Host words (insert's times_sampled=0, a constant version) go in as one literal.
   keys = jnp.arange(3, dtype=jnp.uint32) + 7

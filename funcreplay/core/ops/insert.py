@@ -280,7 +280,7 @@ def new_item_is_victim(remover, state, priority, *, victim=None, u=None):
     k = jnp.minimum((u * (size + 1).astype(jnp.float32)).astype(jnp.int32), size)
     return jnp.minimum(k, size - 1), k == size
   sign = 1.0 if isinstance(remover, sel.MinHeap) else -1.0
-  return None, priority * sign < state.priority[victim] * sign
+  return None, priority * sign < item_info.at(state.item_info, victim, "priority") * sign
 
 
 # --- delete / priorities / metadata ------------------------------------------

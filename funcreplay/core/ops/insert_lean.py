@@ -115,7 +115,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     # its own exact two-word total.
     two = jnp.concatenate([slots, slots])
     occ2 = jnp.concatenate([old_occ, jnp.zeros((1,), bool)])
-    lo = jnp.sum(jnp.where(occ2, state.times_sampled[two], 0)).astype(jnp.uint32)
+    lo = jnp.sum(jnp.where(occ2, item_info.at(state.item_info, two, "times_sampled"),
+                           0)).astype(jnp.uint32)
     reuse_sum = (jnp.uint32(0), lo)
     old = None
   else:
@@ -128,7 +129,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   hist, bounds = state.version_hist, state.version_bounds
   if spec.max_staleness is not None:  # the same order as ops.insert: advance, remove, add
     every = jnp.ones((b,), bool)
-    old_versions = (_take(state.version, slots, start) if old is None else old["version"])
+    old_versions = (item_info.at(state.item_info, jnp.concatenate([slots, slots]), "version")[:1]
+                    if old is None else old["version"])
     hist, bounds = staleness.advance(spec, hist, bounds, versions, every)
     hist, bounds = staleness.on_remove(spec, hist, bounds, old_versions, old_occ)
     hist, bounds = staleness.add(spec, hist, bounds, versions, every)
@@ -148,7 +150,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     # (powers.positive: no power computed for alpha <= 1.)
     alpha = spec.sampler.priority_exponent
     if b == 1:  # counted where read (rows.count_read: no split gather)
-      n_old_zero = count_read(state.priority, slots, old_occ,
+      n_old_zero = count_read(lambda s: item_info.at(state.item_info, s, "priority"),
+                              slots, old_occ,
                               lambda p: ~powers.positive(p, alpha))
     else:
       old_zero = ~powers.positive(old["priority"], alpha)

@@ -69,7 +69,8 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
     # for K = 1 no dynamic slice re-fused into consumers the ordering below does not cover).
     alpha = spec.sampler.priority_exponent  # powers.positive: no power for alpha <= 1
     delta = (jnp.sum(win & (w <= 0), dtype=jnp.int32)
-             - count_read(state.priority, safe, win, lambda q: ~powers.positive(q, alpha)))
+             - count_read(lambda s: item_info.at(state.item_info, s, "priority"), safe, win,
+                          lambda q: ~powers.positive(q, alpha)))
     # A two-index scatter (the second out of range, dropped): a one-index one becomes a
     # dynamic-update-slice that XLA fuses into later reads, copying the tree (indexes.refresh).
     occ_tree = occ_tree.at[jnp.array([0, 2 * spec.tree_size])].add(

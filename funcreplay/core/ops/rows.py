@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from funcreplay.core import item_info
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -76,13 +77,15 @@ def holds_key(state: TableState, safe, keys):
   XLA:CPU splits across its threads."""
   keys = jnp.broadcast_to(jnp.asarray(keys, jnp.uint32), safe.shape)
   if safe.shape[0] == 1:
-    return count_read(state.key, safe, take(state.occupied, safe),
-                      lambda k: k == keys[0])[None] > 0
-  return state.occupied[safe] & (state.key[safe] == keys)
+    return count_read(lambda s: item_info.at(state.item_info, s, "key"), safe,
+                      take(state.occupied, safe), lambda k: k == keys[0])[None] > 0
+  return state.occupied[safe] & (item_info.at(state.item_info, safe, "key") == keys)
 
 
-def count_read(col, slots, where, pred):
-  """int32[]: ``sum(where & pred(col[slots]))``, the gather inside the reduction.
+def count_read(read, slots, where, pred):
+  """int32[]: ``sum(where & pred(read(slots)))``, the gather inside the reduction.
+
+  ``read(slots)``: the values at ``slots`` (say ``item_info.at(info, slots, "key")``).
 
   XLA:CPU splits a gather from a column over 256 KB across its threads, a hand-off
   each time it runs (it prices a gather by its operand; BUILD.md "Lean portable
@@ -94,7 +97,7 @@ def count_read(col, slots, where, pred):
   if slots.shape[0] == 1:
     slots = jnp.concatenate([slots, slots])
     where = jnp.concatenate([where, jnp.zeros((1,), bool)])
-  return jnp.sum(where & pred(col[slots]), dtype=jnp.int32)
+  return jnp.sum(where & pred(read(slots)), dtype=jnp.int32)
 
 
 def take(col, slots):
