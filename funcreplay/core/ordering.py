@@ -15,13 +15,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import item_info
 from funcreplay.core import selectors as sel
 
 
 def age(state, slots):
   """uint32 age of the items in ``slots`` (1 = newest)."""
-  return state.next_key - item_info.at(state.item_info, slots, "key")
+  return state.next_key - state.key[slots]
 
 
 def touch_age(state, slots):
