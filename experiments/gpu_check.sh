@@ -55,7 +55,7 @@ step bench_scan "${BENCH_S:-240}" $PY experiments/bench_scan.py --platform=gpu -
     --reuse=8 --ring
 # The kernels a step of the same programs, counted as experiments/accel_hlo.py counts them
 # (the deviceless count for an H200, BUILD.md finding 27), next to the times above.
-step accel_hlo 120 $PY experiments/accel_hlo.py
+step accel_hlo 120 $PY experiments/accel_hlo.py --targets=h200
 # The deterministic samplers' top-k selection against their old sort (ORDERED_S=0 skips).
 if [ "${ORDERED_S:-120}" != 0 ]; then
   step bench_ordered "${ORDERED_S:-120}" $PY experiments/bench_scan.py --platform=gpu \

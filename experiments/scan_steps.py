@@ -1,7 +1,7 @@
 """The in-scan step programs of issue 25's cases, ours and flashbax's, built once.
 
-``bench_scan.py`` times them; ``accel_hlo.py`` compiles them for a GPU without one and
-counts their kernels. Every program is ``f(state, i0, xs) -> (state, acc)`` (the
+``bench_scan.py`` times them; ``accel_hlo.py`` compiles them for a GPU and a TPU without
+either and counts their operations. Every program is ``f(state, i0, xs) -> (state, acc)`` (the
 prioritized ones ``f(state, i0)``): a ``lax.scan`` whose step ``v`` samples with
 ``PRNGKey(i0 + v)``, and ``acc`` reads every sampled leaf (``timing.consume``), so XLA
 keeps every gather.
