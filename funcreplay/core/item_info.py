@@ -95,10 +95,11 @@ def column(info, name: str):
 
 
 def at(info, slots, name: str):
-  """Field ``name`` of the slots ``slots`` (int32[K]): ``[K]`` of its dtype, gathered from
-  ``info`` itself. Not ``column(info, name)[slots]``: a gather's operand is a buffer on
-  XLA:TPU, so that column (a strided slice of ``info``) was copied out whole, O(C) every
-  call (BUILD.md finding 28); XLA:CPU and XLA:GPU fuse either form into the gather."""
+  """Field ``name`` of the slots ``slots`` (int32 of any shape, a scalar too): that shape,
+  of the field's dtype, gathered from ``info`` itself. Not ``column(info, name)[slots]``:
+  a gather's operand is a buffer on XLA:TPU, so that column (a strided slice of ``info``)
+  was copied out whole, O(C) every call (BUILD.md finding 28); XLA:CPU and XLA:GPU fuse
+  either form into the gather."""
   return from_words(checked(info)[slots, _field(name)], name)
 
 

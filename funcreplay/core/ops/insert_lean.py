@@ -129,6 +129,7 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   hist, bounds = state.version_hist, state.version_bounds
   if spec.max_staleness is not None:  # the same order as ops.insert: advance, remove, add
     every = jnp.ones((b,), bool)
+    # One slot read at two indices: a real gather, as ``_take`` (not a re-fused slice).
     old_versions = (item_info.at(state.item_info, jnp.concatenate([slots, slots]), "version")[:1]
                     if old is None else old["version"])
     hist, bounds = staleness.advance(spec, hist, bounds, versions, every)
