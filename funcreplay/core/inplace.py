@@ -100,16 +100,20 @@ def witness(arrays) -> jnp.ndarray:
 
 
 def once(values):
-  """``values`` (a pytree of scalars read from big buffers), each read exactly once.
+  """``values`` (a pytree of arrays read from big buffers: scalars, or a few rows), each
+  read exactly once.
 
-  The result comes out of a sort of two-element copies, which XLA neither
-  duplicates into consumers nor simplifies away; a later ``tie`` on any
-  value computed from the result then orders every use of the reads.
+  The result comes out of a sort of two copies (along a new leading axis), which XLA
+  neither duplicates into consumers nor simplifies away; a later ``tie`` on any value
+  computed from the result then orders every use of the reads.
   """
   leaves, treedef = jax.tree_util.tree_flatten(values)
-  key = jnp.arange(2, dtype=jnp.int32)
-  out = lax.sort((key, *[jnp.stack([x, x]) for x in leaves]), num_keys=1)
-  return jax.tree_util.tree_unflatten(treedef, [x[0] for x in out[1:]])
+  leaves = [jnp.asarray(x) for x in leaves]
+  if len({x.shape for x in leaves}) > 1:
+    raise ValueError(f"once: the values must have one shape, got {[x.shape for x in leaves]}")
+  key = lax.broadcasted_iota(jnp.int32, (2,) + leaves[0].shape, 0)
+  out = lax.sort((key, *[jnp.stack([x, x]) for x in leaves]), dimension=0, num_keys=1)
+  return jax.tree_util.tree_unflatten(treedef, [y[0] for y in out[1:]])
 
 
 def once_on_cpu(values):
@@ -121,6 +125,16 @@ def once_on_cpu(values):
   experiments/accel_hlo.py), where its stacks and sort are 2-3 kernels a sample (BUILD.md
   finding 27). The same values either way."""
   return lax.platform_dependent(values, cpu=once, default=lambda v: v)
+
+
+def once_off_cpu(values):
+  """``once(values)`` on every backend but the CPU; ``values`` themselves there.
+
+  For reads that XLA:GPU recomputes inside a consumer that is not ordered before the next
+  write of the buffer read (a victim's count inside the occupancy tree's scatter), so that
+  it copies the buffer, where the CPU program keeps it in place without the sort's
+  operation (experiments/accel_hlo.py --copies). The same values either way."""
+  return lax.platform_dependent(values, cpu=lambda v: v, default=once)
 
 
 def tie(leaf: jnp.ndarray, flag: jnp.ndarray) -> jnp.ndarray:
@@ -184,6 +198,11 @@ def materialize(x):
   """
   if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"materialize: expected a 1-D integer array, got {x.dtype}{list(x.shape)}")
+  if x.shape[0] == 1:
+    # One element: XLA's simplifier turns the reduction below into an elementwise max with
+    # the minimum, and that into ``x`` (nothing materialized; a heap remover's one-row
+    # insert then copied the occupancy tree twice a call). ``once``'s sort stays.
+    return once(x[0])[None]
   low = jnp.full_like(x, jnp.iinfo(x.dtype).min)
   return jnp.max(jnp.stack([x, low]), axis=0)
 

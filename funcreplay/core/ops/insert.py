@@ -159,7 +159,12 @@ def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_r
     # writes of occ_tree below, it made XLA copy the tree twice a step in a scan.
     n_free = cap - inplace.once(state.size)
     to_free = mask & (rank < n_free)
-    free_slots = trees.descend_count(state.occ_tree, jnp.where(to_free, rank, 0), free=True)
+    # The free slots materialized (a reduction XLA never re-fuses): each row write would
+    # otherwise recompute the descent, reading the tree again after the refresh below
+    # started writing it, and XLA copied the tree twice a call (experiments/accel_hlo.py
+    # --copies; on CPU too, a heap remover's insert into a table with room).
+    free_slots = inplace.materialize(
+        trees.descend_count(state.occ_tree, jnp.where(to_free, rank, 0), free=True))
     state = _write(spec, state, free_slots, to_free, items, columns)
     state = _insert_with_victims(spec, state, mask & ~to_free, items, columns, rng)
 

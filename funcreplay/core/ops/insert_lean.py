@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from funcreplay.core import indexes, item_info, powers, staleness, storage, trees
+from funcreplay.core import indexes, inplace, item_info, powers, staleness, storage, trees
 from funcreplay.core import ledger_update as ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
@@ -106,6 +106,13 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   keys = state.next_key + r.astype(jnp.uint32)
 
   old_occ = _take(state.occupied, slots, start)
+  if spec.max_times_sampled > 0:
+    # Read once off the CPU: where samples free used-up items (writing ``occupied`` too),
+    # XLA:GPU re-fused this read into the occupancy tree's scatter and the victims' counts,
+    # not ordered before the write of ``occupied`` below, and copied it twice a step in an
+    # insert-then-sample scan (experiments/accel_hlo.py --copies). Elsewhere one kernel
+    # for nothing.
+    old_occ = inplace.once_off_cpu(old_occ)
   n_evicted = jnp.sum(old_occ, dtype=jnp.uint32)
   if b == 1:
     # The victim's reuse count read inside a reduction with a scalar result: XLA:CPU
@@ -157,6 +164,9 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     else:
       old_zero = ~powers.positive(old["priority"], alpha)
       n_old_zero = jnp.sum(old_occ & old_zero, dtype=jnp.int32)
+    # Read once off the CPU: XLA:GPU recomputed the count inside the tree's scatter below,
+    # a read of item_info not ordered before its write, and copied item_info twice a call.
+    n_old_zero = inplace.once_off_cpu(n_old_zero)
     zero_delta = jnp.sum(w <= 0, dtype=jnp.int32) - n_old_zero
     read = read ^ n_old_zero.astype(jnp.uint32)
     # A two-index scatter (the second out of range, dropped): a one-index one becomes a

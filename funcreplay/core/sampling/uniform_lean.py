@@ -284,10 +284,13 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   if not applies(spec, version=version):
     raise ValueError("lean uniform sample: needs a Uniform sampler, no where or staleness "
                      "mask, and no heap remover with a reuse limit.")
-  # The size (occ_tree[1], a slice XLA re-fuses into each consumer) read once (on CPU:
-  # ``inplace.once_on_cpu``), so that every use of it is ordered before a later insert's
-  # tree write (see ``finish``).
-  n = inplace.once_on_cpu(state.size)
+  # The size (occ_tree[1], a slice XLA re-fuses into each consumer) read once, so that
+  # every use of it is ordered before a later write of the tree (see ``finish``): this
+  # call's own (a reuse limit's used-up items, the non-ring remover's tie) on every
+  # backend, else XLA:GPU copies the tree too; only a later insert's otherwise, which
+  # needs it on CPU alone (``inplace.once_on_cpu``).
+  writes_tree = spec.max_times_sampled > 0 or not sel.is_ring(spec.remover)
+  n = (inplace.once if writes_tree else inplace.once_on_cpu)(state.size)
   x, valid = positions(rng, n, b, replace, spec.capacity)
   # Materialized twice: the positions feed every level of the descent, the
   # slots every gathered element (see ``materialize``).
