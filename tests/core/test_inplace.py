@@ -110,6 +110,9 @@ def _sample_cases():
                                                      stratified=True), uni),
       "masked": (lambda s, i: masked.sample(s, k(i), batch_size=64, version=i), masked),
       "prio_then_update": (prio_then_update, prio),
+      # With replacement the weight descent's last level was re-fused into the slots'
+      # consumers, and the used-up items' tree writes copied the tree (sampling.sample).
+      "prio_replace": (lambda s, i: prio.sample(s, k(i), batch_size=64, replace=True), prio),
       "sample_then_insert": (sample_then_insert, masked),
   }
 
@@ -180,6 +183,23 @@ def test_heap_remover_insert_in_a_scan_copies_no_data():
       s = t.insert(s, _rows(4, 0), priority=jnp.arange(4, dtype=jnp.float32) + i)
       s, smp = t.sample(s, jax.random.PRNGKey(i), batch_size=8)
       return t.update_priorities(s, smp.info.slot, smp.info.key, smp.data["obs"][:, 0] + 1), None
+    return jax.lax.scan(step, s, jnp.arange(4) + i0)[0]
+
+  assert _capacity_copies(run, t.init(), 0) == []
+
+
+@pytest.mark.parametrize("in_scan", [False, True], ids=["call", "scan"])
+def test_heap_remover_one_row_insert_copies_no_tree(in_scan):
+  # A one-row insert into a table with room finds its free slot by the occupancy tree's
+  # descent. Re-fused into each row write, that descent read the tree after its refresh
+  # began writing it, and XLA copied the tree twice a call (a one-element
+  # ``inplace.materialize`` was simplified away; now it sorts, as ``once``).
+  t = fr.make_table(fr.TableSpec(CAP, ITEM, remover=fr.MinHeap()))
+
+  def run(s, i0):
+    if not in_scan:
+      return t.insert(s, _rows(1, 0), priority=jnp.float32(1.0))
+    step = lambda s, i: (t.insert(s, _rows(1, 0), priority=i.astype(jnp.float32)), None)  # noqa: E731
     return jax.lax.scan(step, s, jnp.arange(4) + i0)[0]
 
   assert _capacity_copies(run, t.init(), 0) == []

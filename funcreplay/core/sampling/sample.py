@@ -215,6 +215,12 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
         draw_tree = exact.masked_tree(tree, mask)
         total = draw_tree[1]
       picked = exact.successive(draw_tree, rng, b, replace, spec.tree_size)
+      if replace:
+        # Materialized: with replacement the descent's last level is not, and XLA re-fused
+        # it, with its reads of the tree, into each consumer of the slots; the writes of
+        # the tree after the draw (a reuse limit's used-up items) waited for only some of
+        # them, and XLA:CPU copied the tree twice a call.
+        picked = inplace.materialize(picked)
     else:
       picked, tree, touched = exact.draw_uniform(spec, state, rng, b, replace, eligible_fn,
                                                  eligible_all, (size0, unmasked_total), masked)
