@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench bench-small bench-scan accel-hlo setup clean
+.PHONY: demo test test-all bench bench-small bench-scan accel-hlo accel-copies setup clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ $(ACCEL_HLO_VENV)/.installed: pyproject.toml constraints.txt
 
 accel-hlo: $(ACCEL_HLO_VENV)/.installed
 	$(ACCEL_HLO_VENV)/bin/python experiments/accel_hlo.py
+
+# Whole-buffer copies in every kind of table's programs, on the CPU and an H200
+# (experiments/accel_copies.py; exits 1 on a copy not listed as known).
+accel-copies: $(ACCEL_HLO_VENV)/.installed
+	$(ACCEL_HLO_VENV)/bin/python experiments/accel_copies.py --targets=cpu,h200
 
 clean:
 	rm -rf $(VENV) $(ACCEL_HLO_VENV) .pytest_cache .hypothesis

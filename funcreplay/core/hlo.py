@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Dict, List, Tuple
 
 import jax
+import numpy as np
 
 OPS = ("fusion", "gather", "scatter", "sort", "conditional", "while", "custom-call")
 _OPCODE = re.compile(r"=\s+(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9\-]*)\(")
@@ -73,13 +74,8 @@ def counts(fn, *args, donate_argnums=(), big: int = 1 << 16, **kwargs) -> Dict[s
 FREE = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
 
 
-def loop_body_ops(hlo_text: str) -> Dict[str, int]:
-  """``{while body name: number of operations}`` of optimized HLO text.
-
-  XLA:CPU runs each iteration of a ``while`` (a ``lax.scan`` step) through its dataflow
-  executor, which allocates a node per operation and counts down their dependencies every
-  iteration, so a step of small operations costs in proportion to their number (BUILD.md
-  "Lean portable programs", finding 15). On XLA:GPU each is a kernel launch."""
+def _computations(hlo_text: str) -> Dict[str, List[str]]:
+  """``{computation name: its instruction lines}`` of HLO text."""
   comps, cur = {}, None
   for line in hlo_text.splitlines():
     m = re.match(r"^(?:ENTRY )?%(\S+) ", line)
@@ -89,6 +85,17 @@ def loop_body_ops(hlo_text: str) -> Dict[str, int]:
       cur = None
     elif cur is not None:
       cur.append(line)
+  return comps
+
+
+def loop_body_ops(hlo_text: str) -> Dict[str, int]:
+  """``{while body name: number of operations}`` of optimized HLO text.
+
+  XLA:CPU runs each iteration of a ``while`` (a ``lax.scan`` step) through its dataflow
+  executor, which allocates a node per operation and counts down their dependencies every
+  iteration, so a step of small operations costs in proportion to their number (BUILD.md
+  "Lean portable programs", finding 15). On XLA:GPU each is a kernel launch."""
+  comps = _computations(hlo_text)
   out = {}
   for body in re.findall(r"body=%([\w.\-]+)", hlo_text):
     n = 0
@@ -116,4 +123,40 @@ def scan_step_ops(hlo_text: str) -> List[Tuple[str, str, str]]:
       name = re.search(r'op_name="([^"]*)"', line)
       out.append((op.group(1), shape.group(1) if shape else "",
                   name.group(1).split("/")[-1] if name else ""))
+  return out
+
+
+
+_CALLEE = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
+                     r"=%([\w.\-]+)")
+_BRANCH = re.compile(r"(?:true|false)_computation=%([\w.\-]+)")
+_BRANCH_LIST = re.compile(r"branch_computations=\{([^}]*)\}")
+_COPY = re.compile(r"=\s+(\w+\[([0-9,]*)\])\S*\s+copy\(")
+
+
+def big_copy_sites(hlo_text: str, big: int = 1 << 16) -> List[Tuple[str, str, bool]]:
+  """``(computation, shape, in_branch)`` of each ``copy`` of at least ``big`` elements in
+  optimized HLO text: a donated buffer that XLA could not update in place. ``in_branch``:
+  the copy is in a ``conditional``'s branch (or a computation a branch calls), which runs
+  only when taken (say a rare completion), not on every call."""
+  comps = _computations(hlo_text)
+  calls, branches = {}, set()
+  for name, lines in comps.items():
+    text = "\n".join(lines)
+    listed = {b.strip().lstrip("%") for group in _BRANCH_LIST.findall(text)
+              for b in group.split(",")}
+    calls[name] = set(_CALLEE.findall(text)) | listed
+    branches |= set(_BRANCH.findall(text)) | listed
+  todo = list(branches)  # and what the branches call, transitively
+  while todo:
+    for callee in calls.get(todo.pop(), ()):
+      if callee not in branches:
+        branches.add(callee)
+        todo.append(callee)
+  out = []
+  for name, lines in comps.items():
+    for line in lines:
+      m = _COPY.search(_COMMENT.sub("", line.split(", metadata=")[0]))
+      if m and m.group(2) and int(np.prod([int(d) for d in m.group(2).split(",")])) >= big:
+        out.append((name, m.group(1), name in branches))
   return out

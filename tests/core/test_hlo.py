@@ -289,3 +289,51 @@ def test_scan_step_ops_lists_the_scans_own_step():
   assert not any(o == "while" for o, _, _ in ops), ops
   with pytest.raises(ValueError, match="no while loop"):
     hlo.scan_step_ops(jax.jit(jnp.sin).lower(jnp.ones((3,))).compile().as_text())
+
+
+# A program as XLA prints it: a hot copy in the entry, one in a branch and one in what that
+# branch calls (both run only when taken), and copies too small to count.
+_COPIES_HLO = """HloModule copies
+
+%inner (x: f32[70000]) -> f32[70000] {
+  %x = f32[70000]{0} parameter(0)
+  ROOT %copy.3 = f32[70000]{0} copy(%x)
+}
+
+%taken (p: f32[70000]) -> f32[70000] {
+  %p = f32[70000]{0} parameter(0)
+  %copy.1 = f32[70000]{0} copy(%p), metadata={op_name="branch"}
+  ROOT %call = f32[70000]{0} call(%copy.1), to_apply=%inner
+}
+
+%other (q: f32[70000]) -> f32[70000] {
+  ROOT %q = f32[70000]{0} parameter(0)
+}
+
+ENTRY %main (a: f32[70000], c: pred[], s: u32[8,4]) -> (f32[70000], u32[8,4]) {
+  %a = f32[70000]{0} parameter(0)
+  %c = pred[] parameter(1)
+  %s = u32[8,4]{1,0} parameter(2)
+  %copy.2 = f32[70000]{0} copy(%a), metadata={op_name="hot"}
+  %copy.4 = u32[8,4]{1,0} copy(%s)
+  %cond = f32[70000]{0} conditional(%c, %copy.2, %a), true_computation=%taken,
+    false_computation=%other
+  ROOT %t = (f32[70000]{0}, u32[8,4]{1,0}) tuple(%cond, %copy.4)
+}
+"""
+
+
+def test_big_copy_sites_tells_hot_copies_from_branch_copies():
+  """``hlo.big_copy_sites`` (what experiments/accel_copies.py lists): every copy of at
+  least ``big`` elements, with whether only a taken branch runs it."""
+  sites = hlo.big_copy_sites(_COPIES_HLO)
+  assert sorted(sites) == [("inner", "f32[70000]", True), ("main", "f32[70000]", False),
+                           ("taken", "f32[70000]", True)]
+  assert len(hlo.big_copy_sites(_COPIES_HLO, big=16)) == 4  # the u32[8,4] too
+  # Real programs: a donated buffer updated in place is not copied; one whose old value is
+  # read after the update (a reduction XLA does not order first) is.
+  def compiled(f):
+    return jax.jit(f, donate_argnums=0).lower(jnp.zeros((1 << 17,))).compile().as_text()
+  assert hlo.big_copy_sites(compiled(lambda x: x.at[3].set(1.0))) == []
+  late = compiled(lambda x: (x.at[3].set(1.0), jnp.sum(x[::-2]) + x.at[3].set(1.0)[5]))
+  assert [s[1:] for s in hlo.big_copy_sites(late)] == [("f32[131072]", False)] * 2

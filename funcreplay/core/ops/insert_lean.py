@@ -139,6 +139,9 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     # One slot read at two indices: a real gather, as ``_take`` (not a re-fused slice).
     old_versions = (item_info.at(state.item_info, jnp.concatenate([slots, slots]), "version")[:1]
                     if old is None else old["version"])
+    # Read once off the CPU: XLA:GPU recomputed the read inside the histogram's scatter,
+    # not ordered before the write of item_info below, and copied item_info twice a call.
+    old_versions = inplace.once_off_cpu(old_versions)
     hist, bounds = staleness.advance(spec, hist, bounds, versions, every)
     hist, bounds = staleness.on_remove(spec, hist, bounds, old_versions, old_occ)
     hist, bounds = staleness.add(spec, hist, bounds, versions, every)
