@@ -55,8 +55,6 @@ KNOWN = {
     **{("h200", "staleness", p): 1 for p in ("sample 256", "sample 256 replace", "scan",
                                             "smp-ins")},
     ("h200", "prioritized + reuse", "prioritized step"): 2,  # item_info, sample then update
-    ("h200", "Lifo sampler", "smp-ins"): 2,  # occupied
-    ("h200", "Fifo sampler", "smp-ins"): 2,  # occupied
     # A full table's per-row eviction loop (Reverb evicts per item): item_info.
     **{("h200", remover, p): 2 for remover in ("MinHeap remover", "Uniform remover")
        for p in ("scan", "insert1")},
@@ -114,6 +112,8 @@ def main(argv):
     print(f"{target_name}: copies of >= 65,536 elements outside conditional branches "
           f"(capacity {CAPACITY:,}; in a branch: counted apart)")
     for spec_name, kwargs in SPECS.items():
+      if flags.FLAGS.specs and spec_name not in flags.FLAGS.specs:
+        continue
       for name, (fn, *shapes) in programs(fr.TableSpec(CAPACITY, example(), **kwargs)).items():
         sites = hlo.big_copy_sites(target.text(fn, *shapes))
         hot = [shape for _, shape, in_branch in sites if not in_branch]
@@ -131,4 +131,5 @@ if __name__ == "__main__":
   from absl import app, flags
   flags.DEFINE_string("targets", "cpu,h200", "comma-separated: cpu, or of accel_hlo.TARGETS")
   flags.DEFINE_bool("all", False, "list every program, not only those that copy")
+  flags.DEFINE_list("specs", [], f"names of SPECS to compile (default: all): {list(SPECS)}")
   app.run(main)
