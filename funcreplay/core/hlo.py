@@ -126,7 +126,6 @@ def scan_step_ops(hlo_text: str) -> List[Tuple[str, str, str]]:
   return out
 
 
-
 _CALLEE = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
                      r"=%([\w.\-]+)")
 _BRANCH = re.compile(r"(?:true|false)_computation=%([\w.\-]+)")

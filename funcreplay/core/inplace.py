@@ -109,6 +109,8 @@ def once(values):
   """
   leaves, treedef = jax.tree_util.tree_flatten(values)
   leaves = [jnp.asarray(x) for x in leaves]
+  if not leaves:
+    return values
   if len({x.shape for x in leaves}) > 1:
     raise ValueError(f"once: the values must have one shape, got {[x.shape for x in leaves]}")
   key = lax.broadcasted_iota(jnp.int32, (2,) + leaves[0].shape, 0)
@@ -133,7 +135,7 @@ def once_off_cpu(values):
   For reads that XLA:GPU recomputes inside a consumer that is not ordered before the next
   write of the buffer read (a victim's count inside the occupancy tree's scatter), so that
   it copies the buffer, where the CPU program keeps it in place without the sort's
-  operation (experiments/accel_hlo.py --copies). The same values either way."""
+  operation (experiments/accel_copies.py). The same values either way."""
   return lax.platform_dependent(values, cpu=lambda v: v, default=once)
 
 

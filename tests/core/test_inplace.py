@@ -264,3 +264,24 @@ def test_ordered_sample_then_insert_in_a_scan_copies_no_column(spec):
     return jax.lax.scan(step, (s, jnp.float32(0)), jnp.arange(4) + i0)[0]
 
   assert _capacity_copies(run, t.init(), 0) == []
+
+
+def test_once_and_materialize_keep_the_values_and_stay_in_the_program():
+  """``inplace.once`` (scalars, or rows of one shape) and ``inplace.materialize`` (one
+  element too) give back their values, through an operation XLA keeps: a sort, or a
+  reduction (one element: a sort)."""
+  from funcreplay.core import inplace
+  x = jnp.arange(5, dtype=jnp.int32) * 3
+  flags = jnp.array([True, False, True, True, False])
+  got_x, got_f = jax.jit(inplace.once)((x, flags))
+  np.testing.assert_array_equal(got_x, x)
+  np.testing.assert_array_equal(got_f, flags)
+  assert jax.jit(inplace.once)(jnp.float32(2.5)) == 2.5
+  assert inplace.once(()) == ()
+  with pytest.raises(ValueError, match="one shape"):
+    inplace.once((x, jnp.int32(1)))
+  for n in (1, 2, 7):
+    y = jnp.arange(n, dtype=jnp.int32) - 3
+    text = jax.jit(lambda v: inplace.materialize(v) * 2).lower(y).compile().as_text()
+    assert ("sort" if n == 1 else "reduce") in text, n
+    np.testing.assert_array_equal(jax.jit(inplace.materialize)(y), y)

@@ -161,8 +161,8 @@ def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_r
     to_free = mask & (rank < n_free)
     # The free slots materialized (a reduction XLA never re-fuses): each row write would
     # otherwise recompute the descent, reading the tree again after the refresh below
-    # started writing it, and XLA copied the tree twice a call (experiments/accel_hlo.py
-    # --copies; on CPU too, a heap remover's insert into a table with room).
+    # started writing it, and XLA copied the tree twice a call (a heap remover's insert
+    # into a table with room, on CPU and GPU; experiments/accel_copies.py).
     free_slots = inplace.materialize(
         trees.descend_count(state.occ_tree, jnp.where(to_free, rank, 0), free=True))
     state = _write(spec, state, free_slots, to_free, items, columns)
