@@ -159,12 +159,14 @@ def _insert_rows(spec, state, items, mask, versions, prios, meta_rows, rank, n_r
     # writes of occ_tree below, it made XLA copy the tree twice a step in a scan.
     n_free = cap - inplace.once(state.size)
     to_free = mask & (rank < n_free)
-    # The free slots materialized (a reduction XLA never re-fuses): each row write would
-    # otherwise recompute the descent, reading the tree again after the refresh below
-    # started writing it, and XLA copied the tree twice a call (a heap remover's insert
-    # into a table with room, on CPU and GPU; experiments/accel_copies.py).
-    free_slots = inplace.materialize(
-        trees.descend_count(state.occ_tree, jnp.where(to_free, rank, 0), free=True))
+    # The free slots computed once (a reduction, or for one row a sort: XLA re-fuses
+    # neither): each row write would otherwise recompute the descent, reading the tree
+    # again after the refresh below started writing it, and XLA copied the tree twice a
+    # call (a heap remover's insert into a table with room, on CPU and GPU;
+    # experiments/accel_copies.py).
+    free_slots = trees.descend_count(state.occ_tree, jnp.where(to_free, rank, 0), free=True)
+    free_slots = (inplace.once(free_slots) if free_slots.shape[0] == 1
+                  else inplace.materialize(free_slots))
     state = _write(spec, state, free_slots, to_free, items, columns)
     state = _insert_with_victims(spec, state, mask & ~to_free, items, columns, rng)
 
