@@ -94,9 +94,14 @@ def _sample_both(direct, ref, rows, **kw):
   return errors[0] is None
 
 
+# Row counts of inserts and samples. Each distinct sample size is a program the jitted
+# reference compiles (inserts are bucketed to powers of two), so a few sizes, not every
+# one from 1 to 12: one row, a few, and more than a 16-slot table's eligible items once
+# it holds holes or stale items (the suite spent ~3 minutes compiling the others).
+SIZES = st.sampled_from([1, 2, 5, 12])
 OPS = st.lists(st.tuples(st.sampled_from(["insert", "sample", "replace", "version", "prio",
                                           "snapshot"]),
-                         st.integers(1, 12), st.integers(0, 5)), min_size=1, max_size=30)
+                         SIZES, st.integers(0, 5)), min_size=1, max_size=30)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
