@@ -77,6 +77,36 @@ def test_packed_to_torch_is_one_zero_copy_export_of_the_whole_batch():
   twin_b.close()
 
 
+@pytest.mark.parametrize("parts", [1, 2])
+def test_packed_views_of_an_out_sliced_from_a_larger_buffer(parts):
+  """``sample_packed(out=big[n:])``: the views start where the slice does, not at the
+  storage's first byte (they read the other half of ``big`` before the fix)."""
+  from funcreplay.core import packing
+  twin_a, twin_b = small_table(16, sampler=PRIO), small_table(16, sampler=PRIO)
+  for t in (twin_a, twin_b):
+    t.insert(rows(0, 16), priority=np.linspace(0.5, 2, 16))
+  n = packing.layout(twin_a.spec.signature, 8).nbytes
+  big = torch.zeros(2 * n + 4, dtype=torch.uint8)
+  out = big[n:2 * n]
+  packed = twin_a.sample_packed(8, out=out)
+  want = twin_b.sample(8)
+  if parts == 1:
+    _assert_batch_equals_sample(frt.packed_to_torch(packed, on_copy="raise"), want)
+  else:
+    halves = frt.packed_batches(packed, 2, on_copy="raise")
+    for i, half in enumerate(halves):
+      np.testing.assert_array_equal(half.info.slot.numpy(),
+                                    np.asarray(want.info.slot)[4 * i:4 * i + 4])
+      np.testing.assert_array_equal(half.data["a"].numpy(),
+                                    np.asarray(want.data["a"])[4 * i:4 * i + 4])
+  # A start that no wider type can view from: a clear error, not a wrong view.
+  odd = twin_a.sample_packed(8, out=big[2:n + 2])
+  with pytest.raises(ValueError, match="starts 2 bytes into"):
+    frt.packed_to_torch(odd, on_copy="raise")
+  twin_a.close()
+  twin_b.close()
+
+
 def test_packed_batches_cut_one_call_into_row_ranges():
   twin_a, twin_b = small_table(32), small_table(32)
   for t in (twin_a, twin_b):

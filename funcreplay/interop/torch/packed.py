@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import torch
 
-from funcreplay.core import caches
+from funcreplay.core import caches, packing
 from funcreplay.core.packing import PackedLayout, PackedSample, check_buffer
 from funcreplay.interop.torch.batches import TorchBatch, TorchInfo, importance_weights
 from funcreplay.interop.torch.dlpack import (
@@ -162,14 +162,14 @@ def _views(raw: torch.Tensor, num_eligible: Optional[int], lay: PackedLayout, pl
   if num_eligible is None:  # a GPU buffer: from its host copy once complete, else from it
     done = raw.device.type == "cpu" and not non_blocking
     num_eligible = _read_num_eligible(raw if done else exported, lay.fields[-1])
-  typed = [raw.view(td) for td in plan.dtypes]
+  typed = _typed(raw, plan.dtypes)
   nd = lay.num_data
   eager = plan.views[:nd + 1]  # the data leaves and valid; the info columns are lazy
   if parts == 1:
-    per_part = [[typed[d].as_strided(shape, strides, start)
+    per_part = [[_at(typed[d], shape, strides, start)
                  for d, shape, strides, start, _ in eager]]
   else:  # one [parts, B, ...] view per field, unbound into the parts
-    per_part = zip(*(typed[d].as_strided((parts,) + shape, (n,) + strides, start).unbind(0)
+    per_part = zip(*(_at(typed[d], (parts,) + shape, (n,) + strides, start).unbind(0)
                      for d, shape, strides, start, n in eager))
   out = []
   for i, arrays in enumerate(per_part):
@@ -182,7 +182,29 @@ def _views(raw: torch.Tensor, num_eligible: Optional[int], lay: PackedLayout, pl
 def _info_view(typed: List[torch.Tensor], info: dict, part: int, name: str) -> torch.Tensor:
   """Info column ``name`` of batch ``part``: a view of the typed buffer."""
   d, shape, strides, start, n = info[name]
-  return typed[d].as_strided(shape, strides, start + part * n)
+  return _at(typed[d], shape, strides, start + part * n)
+
+
+def _typed(raw: torch.Tensor, dtypes) -> List[torch.Tensor]:
+  """``raw`` (uint8[N]) viewed as each of ``dtypes``. ``raw`` may start inside a larger
+  storage (``sample_packed(out=big[n:])``); a view as a wider type needs that start to be
+  a multiple of the type's size."""
+  start = raw.storage_offset()
+  for td in dtypes:
+    if start % td.itemsize:
+      raise ValueError(
+          f"packed_batches: the buffer starts {start} bytes into its tensor's storage, not a "
+          f"multiple of {td.itemsize} ({td}), so its fields cannot be viewed as tensors. "
+          f"Pass a buffer that starts at a multiple of {packing.ALIGN} bytes (a slice of a "
+          f"larger one at a multiple of the packed size is), or unpack it with numpy.")
+  return [raw.view(td) for td in dtypes]
+
+
+def _at(typed: torch.Tensor, shape, strides, start: int) -> torch.Tensor:
+  """The view of ``typed`` at element ``start`` of the buffer it views. ``as_strided``'s
+  offset counts from its storage's first element, not the tensor's: a buffer sliced out
+  of a larger one starts ``storage_offset()`` elements in."""
+  return typed.as_strided(shape, strides, typed.storage_offset() + start)
 
 
 def packed_to_torch(packed: PackedSample, *, device=None, beta: Optional[float] = None,
