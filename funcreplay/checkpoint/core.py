@@ -46,6 +46,10 @@ class Restored:
     path: the checkpoint directory actually read.
     num_shards: S for a sharded checkpoint, else None.
     sidecar: ``{name: array}``: a host Table's ragged values / payloads, or None.
+    sidecar_order: None when the sidecar's per-item pieces (kept in slot order of the
+      occupied slots) match ``state``'s items as they are; else int[N]: item ``i`` of
+      ``state`` (in slot order) is the saved item ``sidecar_order[i]`` (the capacity
+      grew and a Fifo ring was unrolled: ``migrate.item_order``).
   """
 
   state: TableState
@@ -55,6 +59,7 @@ class Restored:
   path: str
   num_shards: Optional[int]
   sidecar: Optional[Dict[str, Any]] = None
+  sidecar_order: Optional[np.ndarray] = None
 
   def __iter__(self):
     return iter((self.state, self.spec))
@@ -372,9 +377,13 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
   state = _zero_weight_count(saved_spec, record.from_record(
       jax.tree_util.tree_unflatten(treedef, arrays), saved_spec,
       1 if num_shards is None else 2))
+  order = None
   if spec.capacity != saved_spec.capacity:
-    state = (migrate.grow(saved_spec, spec, state) if num_shards is None
-             else migrate.grow_sharded(saved_spec, spec, state, num_shards))
+    if num_shards is None:
+      order = migrate.item_order(saved_spec, state)
+      state = migrate.grow(saved_spec, spec, state)
+    else:  # only the pure layer saves sharded states: no sidecar to move
+      state = migrate.grow_sharded(saved_spec, spec, state, num_shards)
   holes = consistency.holes_error(spec, state)
   if holes:
     raise CheckpointError(f"{path}: {holes}.")
@@ -385,4 +394,5 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
   else:
     state = jax.device_put(state)
   return Restored(state=state, spec=spec, host=host, extra=extra, path=path,
-                  num_shards=num_shards, sidecar=sidecar_lib.read(path, manifest, side, verify))
+                  num_shards=num_shards, sidecar=sidecar_lib.read(path, manifest, side, verify),
+                  sidecar_order=order)

@@ -94,7 +94,8 @@ def restore_table(path, spec: Optional[TableSpec] = None, *, allow_capacity_grow
   if r.num_shards is not None:
     raise CheckpointError(f"{r.path}: a sharded checkpoint ({r.num_shards} shards) cannot become "
                           "a host Table; use funcreplay.checkpoint.restore(path, mesh=...).")
-  keep, side = sidecar_lib.values(r.sidecar, r.spec, r.path, allow_pickle, payloads)
+  keep, side = sidecar_lib.values(r.sidecar, r.spec, r.path, allow_pickle, payloads,
+                                  r.state, r.sidecar_order)
   if r.host is None:
     return Table.from_state(r.spec, r.state, seed=seed, check=check, payloads=keep,
                             sidecar_values=side)
@@ -128,7 +129,8 @@ def read_into(table, path, *, verify: bool = True, check: bool = True,
                           "loaded into a host Table.")
   if check:
     consistency.check_state(table.spec, r.state)
-  _, side = sidecar_lib.values(r.sidecar, r.spec, r.path, allow_pickle, table.keeps_payloads)
+  _, side = sidecar_lib.values(r.sidecar, r.spec, r.path, allow_pickle, table.keeps_payloads,
+                               r.state, r.sidecar_order)
   if r.host is None:
     return r.state, None, None, side
   return r.state, r.host["version"], r.host["rng"], side

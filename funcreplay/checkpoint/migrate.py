@@ -22,8 +22,9 @@ then overwrite in exactly the order the old ring would have (oldest first,
 holes left by deletes included). Items therefore may move to new slot
 numbers; their keys do not change, so a ``(slot, key)`` pair handed out
 before the save is ignored by ``update_priorities`` / ``delete`` rather than
-applied to another item. Other removers find victims by key or priority
-order, so their items keep their slot numbers.
+applied to another item. A host ``Table``'s ragged values and payloads, kept
+per item in slot order, move with their items (``item_order``). Other removers
+find victims by key or priority order, so their items keep their slot numbers.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def grow(old: TableSpec, new: TableSpec, state: TableState) -> TableState:
   assert c2 > c, (c, c2)
   fifo = sel.is_ring(old.remover)
   write_pos = int(state.write_pos)
-  order = (write_pos + np.arange(c)) % c if fifo else np.arange(c)
+  order = _slot_order(old, state)
   # Columns are overwritten below and the trees rebuilt: zeros are enough.
   fresh = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype),
                                  jax.eval_shape(functools.partial(state_lib.init_state, new)))
@@ -80,6 +81,24 @@ def grow(old: TableSpec, new: TableSpec, state: TableState) -> TableState:
       limiter_diff=state.limiter_diff, counters=dict(state.counters),
       version_bounds=state.version_bounds, **cols)
   return jax.device_get(_rebuild(new)(jax.tree_util.tree_map(jnp.asarray, grown)))
+
+
+def _slot_order(old: TableSpec, state: TableState) -> np.ndarray:
+  """int[C]: the old slot that ``grow`` puts in each of the first C new slots."""
+  c = old.capacity
+  if not sel.is_ring(old.remover):
+    return np.arange(c)
+  return (int(state.write_pos) + np.arange(c)) % c
+
+
+def item_order(old: TableSpec, state: TableState) -> np.ndarray:
+  """int[N]: for each item of ``grow(old, new, state)`` (its occupied slots in slot
+  order), its index among ``state``'s items in slot order: how per-item host data kept in
+  slot order (a ``Table``'s ragged values and payloads) moves with the items."""
+  occ = np.asarray(state.occupied)
+  rank = np.cumsum(occ) - 1
+  order = _slot_order(old, state)
+  return rank[order][occ[order]]
 
 
 @functools.lru_cache(maxsize=16)

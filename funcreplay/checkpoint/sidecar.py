@@ -70,16 +70,25 @@ def read(path: str, manifest: Dict[str, Any], entries, verify: bool) -> Optional
 
 
 def values(sidecar: Optional[Dict[str, Any]], spec, path: str, allow_pickle: bool,
-           payloads: Optional[bool]):
+           payloads: Optional[bool], state=None, order: Optional[np.ndarray] = None):
   """``(keep payloads?, (ragged values per Ragged leaf, payloads or None))`` for
-  ``Table.from_state``. ``payloads`` None: keep them iff the checkpoint has them."""
+  ``Table.from_state``. ``payloads`` None: keep them iff the checkpoint has them.
+  ``order`` (``Restored.sidecar_order``, with the restored ``state``): the items moved, so
+  their pieces are put in the new slot order."""
   sidecar = sidecar or {}
   ragged = []
+  # Tables with ragged leaves store columns (``storage.resolve``): the lengths are a leaf.
+  leaves = (spec.signature.treedef.flatten_up_to(state.data)
+            if order is not None and spec.ragged else None)
   for i, (leaf, _) in enumerate(spec.ragged):
     if ragged_name(i) not in sidecar:
       raise CheckpointError(f"{path}: the values of ragged leaf {spec.signature.names[leaf]} "
                             "are missing from the checkpoint.")
-    ragged.append(sidecar[ragged_name(i)])
+    got = sidecar[ragged_name(i)]
+    if order is not None:
+      lengths = np.asarray(leaves[leaf])[np.asarray(state.occupied)].astype(np.int64)
+      got = _moved_values(got, lengths, order)
+    ragged.append(got)
   keep = (PAYLOADS in sidecar) if payloads is None else bool(payloads)
   held = None
   if PAYLOADS in sidecar and keep:
@@ -89,4 +98,22 @@ def values(sidecar: Optional[Dict[str, Any]], spec, path: str, allow_pickle: boo
           "with allow_pickle=True if you trust it (unpickling runs code from the file), or "
           "payloads=False to restore without them.")
     held = pickle.loads(sidecar[PAYLOADS].tobytes())
+    if order is not None and isinstance(held, list) and len(held) == len(order):
+      held = [held[j] for j in order]  # a count that differs: Table.from_state says so
   return keep, (ragged, held)
+
+
+def _moved_values(values: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
+  """The concatenated per-item ``values`` (saved item ``j``'s piece the ``j``-th) put in the
+  items' new order: new item ``i`` is saved item ``order[i]`` and has ``lengths[i]`` values.
+  Values whose total differs from ``lengths`` are returned as they are (the table's reset
+  reports the mismatch)."""
+  if int(lengths.sum()) != values.shape[0] or len(lengths) != len(order):
+    return values
+  saved_lengths = np.empty_like(lengths)
+  saved_lengths[order] = lengths
+  saved_starts = np.cumsum(saved_lengths) - saved_lengths
+  new_starts = np.cumsum(lengths) - lengths
+  # Value k of new item i is value k of saved item order[i].
+  shift = np.repeat(saved_starts[order] - new_starts, lengths)
+  return values[np.arange(values.shape[0]) + shift]

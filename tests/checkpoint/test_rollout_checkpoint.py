@@ -106,3 +106,29 @@ def test_ragged_without_payloads_and_spec_mismatch(tmp_path):
     fh.write(b"\xff\xff\xff\x7f")
   with pytest.raises(fr.CheckpointError, match="checksum"):
     fr.Table.restore(path)
+
+
+def test_capacity_growth_moves_ragged_values_and_payloads_with_their_items(tmp_path):
+  """A grown Fifo ring is unrolled (items move to new slots, ``checkpoint.migrate``): each
+  item keeps its own ragged values and payload (they were attached in the saved slot
+  order, so to other items, before the fix)."""
+  spec = fr.TableSpec(8, {"tokens": fr.Ragged(6, jnp.int32), "id": np.zeros((), np.int32)})
+  t = fr.Table(spec, seed=1, payloads=True)
+  for i in range(13):  # 13 items into 8 slots: the ring wrapped (write_pos 5)
+    t.insert({"tokens": [np.full(i % 4 + 1, 100 + i, np.int32)], "id": np.array([i], np.int32)},
+             payload=[f"p{i}"])
+  got = t.peek(8, ragged="packed")
+  nine = np.asarray(got.data["id"]) == 9
+  t.delete(np.asarray(got.info.slot)[nine], np.asarray(got.info.key)[nine])  # and a hole
+  path = str(tmp_path / "c")
+  t.save(path, payloads="pickle")
+  grown = fr.Table.restore(path, spec=spec.replace(capacity=12), allow_capacity_growth=True,
+                           allow_pickle=True)
+  s = grown.peek(12, ragged="padded")
+  ids = np.asarray(s.data["id"])[np.asarray(s.valid)]
+  assert sorted(ids.tolist()) == [5, 6, 7, 8, 10, 11, 12]
+  tokens = s.data["tokens"]
+  for row, i in enumerate(ids.tolist()):
+    assert int(tokens.lengths[row]) == i % 4 + 1, i
+    assert np.asarray(tokens.values[row])[:i % 4 + 1].tolist() == [100 + i] * (i % 4 + 1), i
+    assert s.payload[row] == f"p{i}", i
