@@ -274,10 +274,16 @@ def read_manifest(path: str) -> Dict[str, Any]:
                           "or corrupted.") from None
   if not isinstance(m, dict) or m.get("format") != FORMAT:
     raise CheckpointError(f"{mpath}: not a funcreplay checkpoint manifest.")
-  if m.get("schema_version") not in READABLE_SCHEMAS:
-    raise CheckpointError(f"{mpath}: schema version {m.get('schema_version')!r}; this "
+  schema = m.get("schema_version")
+  if isinstance(schema, bool) or schema not in READABLE_SCHEMAS:  # True == 1 in Python
+    raise CheckpointError(f"{mpath}: schema version {schema!r}; this "
                           f"funcreplay reads versions {list(READABLE_SCHEMAS)}.")
-  if m["schema_version"] >= 2:
+  if schema == 1 and "rows" in m:
+    raise CheckpointError(f"{mpath}: a schema-1 manifest with a 'rows' entry (schema 2's): it "
+                          "was edited or corrupted.")
+  # Checked whenever present, whatever the version says: the checksum covers the version,
+  # so a manifest edited down to schema 1 does not escape it.
+  if schema >= 2 or MANIFEST_CRC in m:
     try:
       ok = m.get(MANIFEST_CRC) == manifest_crc32(m)
     except (TypeError, ValueError):  # e.g. NaN written into the JSON by hand

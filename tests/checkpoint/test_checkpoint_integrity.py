@@ -280,6 +280,28 @@ def test_editing_one_manifest_field_fails_restore(tmp_path, keys, bump):
       call()
 
 
+@pytest.mark.parametrize("schema,match", [
+    (1, "the manifest's checksum|a schema-1 manifest with a 'rows' entry"),
+    (True, "schema version True")])
+@pytest.mark.parametrize("drop_rows", [False, True])
+def test_editing_the_schema_version_does_not_skip_the_checksum(tmp_path, schema, match,
+                                                               drop_rows):
+  """Schema 1 had no manifest checksum. A schema-2 manifest edited down to 1 (or to
+  ``true``, equal to 1 in Python) together with another field was read unchecked."""
+  path = _table(1).save(tmp_path / "c")
+
+  def edit(m):
+    m["schema_version"] = schema
+    m["host"]["version"] += 10
+    if drop_rows:
+      m.pop("rows", None)
+  _edit_manifest(path, edit)
+  for call in (lambda: ck.restore(path), lambda: fr.Table.restore(path),
+               lambda: ck.restore(path, verify=False), lambda: ck.info(path)):
+    with pytest.raises(ck.CheckpointError, match=match):
+      call()
+
+
 @pytest.mark.parametrize("keys,value,field", [
     (("host", "rng"), [1, 2**40], "host.rng"),
     (("host", "rng"), [1], "host.rng"),
