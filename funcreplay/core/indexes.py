@@ -105,9 +105,16 @@ def rebuild(spec: TableSpec, state: TableState) -> TableState:
     zero = jnp.sum(state.occupied & (w <= 0), dtype=jnp.int32)
     state = state.replace(occ_tree=state.occ_tree.at[0].set(zero))
   if spec.needs_remover_tree:
-    better = ordering.better_fn(spec.remover, _PaddedView(state, p))
-    state = state.replace(remover_tree=trees.build_best(occ, better))
+    state = state.replace(remover_tree=remover_tree(spec, state))
   return state
+
+
+def remover_tree(spec: TableSpec, state: TableState):
+  """int32[2P]: the remover's arg-best tree of ``state``'s columns, built afresh (every
+  node the better of its children by the remover's order; -1 where none). O(C)."""
+  p = spec.tree_size
+  better = ordering.better_fn(spec.remover, _PaddedView(state, p))
+  return trees.build_best(_padded(state.occupied, p, False), better)
 
 
 class _PaddedView:

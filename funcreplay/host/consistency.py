@@ -15,8 +15,11 @@ invariant that does not hold:
   ``indexes.sample_weight`` (``priority**alpha`` of occupied slots, 0 for
   free ones or priority 0; within float32 rounding of the native kernels'
   ``pow``), every node exactly ``fl(left + right)``;
+* ``occ_tree[0]`` (prioritized sampler): the number of occupied items of sampling
+  weight 0 (not eligible; 0 without a prioritized sampler);
 * ``remover_tree`` (Lifo / heap removers): leaves are the slot if occupied
-  else -1, every node one of its children's values (-1 only if both are);
+  else -1, every node the better of its children by the remover's order (-1
+  only if both are);
 * ``priority``: finite and >= 0 on occupied slots;
 * ``key``: occupied keys distinct, each among the ``inserts`` most recent
   keys below ``next_key`` (keys are insertion indices modulo 2**32);
@@ -50,6 +53,7 @@ from funcreplay.core import indexes, staleness
 from funcreplay.core.spec import TableSpec
 
 _sample_weight = jax.jit(indexes.sample_weight, static_argnums=0)
+_remover_tree = jax.jit(indexes.remover_tree, static_argnums=0)
 
 # Leaves of the weight tree are ``core.powers.power`` (the same bits in XLA on every backend
 # and in the native kernels); a state built before it (libm's or XLA's ``pow``) may differ
@@ -89,7 +93,7 @@ def _check_sum_tree(name: str, tree: np.ndarray, leaves: np.ndarray, exact: bool
                 f"{tree[2 * n]!r} + {tree[2 * n + 1]!r}")
 
 
-def _check_best_tree(tree: np.ndarray, occ: np.ndarray) -> None:
+def _check_best_tree(spec: TableSpec, state, tree: np.ndarray, occ: np.ndarray) -> None:
   p = tree.shape[0] // 2
   want = np.where(occ, np.arange(p, dtype=np.int32), -1)
   bad = tree[p:] != want
@@ -104,6 +108,15 @@ def _check_best_tree(tree: np.ndarray, occ: np.ndarray) -> None:
     n = int(nodes[_first(bad)])
     _fail("remover_tree", f"node {n} holds {tree[n]}, which is neither child's slot "
                           f"({tree[2 * n]}, {tree[2 * n + 1]}) or -1 above a present leaf")
+  # Each node one of its children: now the better one (the next victim is the root). The
+  # tree built afresh by the table's own comparator (one jitted O(C) pass).
+  want = np.asarray(_remover_tree(spec, state))
+  bad = tree[1:] != want[1:]
+  if bad.any():
+    n = 1 + int(np.flatnonzero(bad)[-1])  # the deepest: its children are right
+    _fail("remover_tree", f"node {n} holds slot {tree[n]}, but slot {want[n]} is the better "
+                          f"of its children ({tree[2 * n]}, {tree[2 * n + 1]}) by the "
+                          f"{type(spec.remover).__name__} remover's order")
 
 
 def _check_versions(spec: TableSpec, state, occ: np.ndarray) -> None:
@@ -198,8 +211,15 @@ def check_state(spec: TableSpec, state) -> None:
     w = np.asarray(_sample_weight(spec, occ, prio), np.float32)
     _check_sum_tree("weight_tree", np.asarray(state.weight_tree),
                     np.concatenate([w, np.zeros(p - c, np.float32)]), exact=False)
+    zero = int((occ & (w <= 0)).sum())
+  else:
+    zero = 0
+  # Node 0 (outside the tree's sums): eligible = size - this count.
+  if int(np.asarray(state.occ_tree)[0]) != zero:
+    _fail("occ_tree", f"node 0 counts {int(np.asarray(state.occ_tree)[0])} occupied items of "
+                      f"sampling weight 0; there are {zero}")
   if spec.needs_remover_tree:
-    _check_best_tree(np.asarray(state.remover_tree), occ_p)
+    _check_best_tree(spec, state, np.asarray(state.remover_tree), occ_p)
   _check_keys_and_counters(spec, state, occ, size)
   ts = np.asarray(state.times_sampled)
   bad = occ & ((ts < 0) | ((ts >= spec.max_times_sampled) if spec.max_times_sampled else False))

@@ -72,6 +72,17 @@ def _counter(name, delta):
   return edit
 
 
+def _take_worse_child(tree):
+  """Point the first node whose children hold two different items at the one it did not
+  pick: still one of its children (as the structural check asks), but the worse."""
+  for n in range(1, P):
+    l, r = tree[2 * n], tree[2 * n + 1]
+    if l != -1 and r != -1 and l != r:
+      tree[n] = r if tree[n] == l else l
+      return
+  raise AssertionError("no node with two items below it")
+
+
 P = 16  # tree size of CAP 12
 CORRUPTIONS = {
     "occupied free slot": (_set("occupied", lambda a, s: a.__setitem__(_free(s)[0], True)),
@@ -90,6 +101,10 @@ CORRUPTIONS = {
                           "remover_tree: leaf of slot"),
     "remover_tree root": (_set("remover_tree", lambda a, s: a.__setitem__(1, _free(s)[0])),
                           "remover_tree: node 1 holds"),
+    "zero-weight count": (_set("occ_tree", lambda a, s: a.__setitem__(0, a[0] + 1)),
+                          "occ_tree: node 0 counts"),
+    "remover_tree worse child": (_set("remover_tree", lambda a, s: _take_worse_child(a)),
+                                 "remover_tree: node [0-9]+ holds slot .* is the better"),
     "inserts counter": (_counter("inserts", 1), "counters: size"),
     "deletes counter": (_counter("deletes", 1), "counters: size"),
     "next_key": (lambda s: s.replace(next_key=np.uint32(int(s.next_key) + 1)), "next_key: "),
