@@ -346,6 +346,10 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
     host = manifest["host"]
     extra = manifest.get("extra")
   except KeyError as e:
+    if manifest.get("table_kind") is not None:  # e.g. save_trajectory's
+      raise CheckpointError(
+          f"{path}: a checkpoint of a {manifest['table_kind']!r} table, not of a Table or a "
+          "TableState; restore it with funcreplay.restore_trajectory.") from None
     raise CheckpointError(f"{mpath}: the manifest lacks {e}; it is corrupted.") from None
   host = fields.parse_host(host, mpath)
   if spec is None:

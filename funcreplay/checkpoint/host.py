@@ -59,6 +59,13 @@ def save_table(table, path, *, step: Optional[int] = None, keep_last: Optional[i
     return core.save(path, state, table.spec, extra=extra, overwrite=overwrite, fsync=fsync,
                      host=host, sidecar=side)
   os.makedirs(os.fspath(path), exist_ok=True)
+  if step is not None and keep_last is not None:
+    newer = [s for s, _ in layout.list_steps(path) if s > step]
+    if len(newer) >= keep_last:  # the prune below would delete what this call writes
+      raise ValueError(
+          f"save: {os.fspath(path)} already holds {len(newer)} checkpoints newer than step "
+          f"{step} (up to {max(newer)}), so keep_last={keep_last} would delete this one at "
+          "once; save with a larger step (or step=None: one past the newest).")
   target = layout.step_path(path, layout.next_step(path) if step is None else step)
   out = core.save(target, state, table.spec, extra=extra, overwrite=overwrite, fsync=fsync,
                   host=host, sidecar=side)

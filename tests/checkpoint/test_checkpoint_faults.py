@@ -101,6 +101,13 @@ def test_keep_last_and_steps(tmp_path):
   with pytest.raises(FileExistsError):
     ck.save_table(table, tmp_path, step=4)
   ck.save_table(table, tmp_path, step=4, overwrite=True)
+  # A step older than the newest keep_last would be pruned as soon as written: refused,
+  # nothing written or deleted (it used to return the path it had just deleted).
+  with pytest.raises(ValueError, match="would delete this one at once"):
+    ck.save_table(table, tmp_path, step=1, keep_last=2)
+  assert [s for s, _ in ck.list_steps(tmp_path)] == [3, 4]
+  ck.save_table(table, tmp_path, step=2, keep_last=3)  # kept: 2, 3, 4
+  assert [s for s, _ in ck.list_steps(tmp_path)] == [2, 3, 4]
 
 
 # --- errors ----------------------------------------------------------------------

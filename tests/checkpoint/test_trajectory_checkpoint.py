@@ -42,3 +42,12 @@ def test_round_trip_is_bit_exact_and_samples_the_same(tmp_path):
   open(f, "wb").write(bytes(raw))
   with pytest.raises(CheckpointError, match="checksum mismatch"):
     restore_trajectory(path, spec)
+
+
+def test_a_table_restore_of_a_trajectory_checkpoint_names_restore_trajectory(tmp_path):
+  spec = fr.TrajectorySpec(3, 24, 4, 2, STEP)
+  t = fr.make_trajectory_table(spec)
+  path = save_trajectory(str(tmp_path / "ck"), t.init(), spec)
+  for call in (lambda: fr.restore(path), lambda: fr.Table.restore(path)):
+    with pytest.raises(CheckpointError, match="'trajectory' table.*restore_trajectory"):
+      call()
