@@ -315,15 +315,15 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
     n_real = np.int32(b)
     deadline = None if timeout is None else time.monotonic() + timeout
     with self._cond:
-      pending = None
-      if self._sidecars is not None:
+      pending, sidecars = None, self._sidecars  # close() drops self._sidecars while we wait
+      if sidecars is not None:
         self._check_open("insert")
-        pending = self._sidecars.stage(ragged_rows, payload, b)
+        pending = sidecars.stage(ragged_rows, payload, b)
       try:
         self._insert_locked(spec, b, args, n_real, timeout, deadline, pending)
       finally:
         if pending is not None:
-          self._sidecars.release(pending)
+          sidecars.release(pending)
 
   def _insert_locked(self, spec, b, args, n_real, timeout, deadline, pending) -> None:
     inserted = 0  # the admission loop of insert (lock held; pending: staged sidecars)

@@ -8,6 +8,7 @@ leaves the table exactly as it was.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
@@ -149,13 +150,18 @@ def check_int(x, what: str, lo: int = I32.min, hi: int = I32.max) -> int:
 
 
 def check_timeout(timeout) -> Optional[float]:
+  """``timeout`` in seconds as a float, or None to wait forever. ``inf`` (and anything past
+  ``threading.TIMEOUT_MAX``, ~292 years, beyond which ``Condition.wait`` raises
+  ``OverflowError``) waits forever too: None."""
   if timeout is None:
     return None
-  if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) \
-      or timeout < 0:
+  if isinstance(timeout, (bool, np.bool_)) \
+      or not isinstance(timeout, (int, float, np.integer, np.floating)) \
+      or math.isnan(timeout) or timeout < 0:
     raise ValueError(f"timeout must be None (wait forever) or a number of seconds >= 0, "
                      f"got {timeout!r}.")
-  return float(timeout)
+  timeout = float(timeout)
+  return None if timeout >= threading.TIMEOUT_MAX else timeout
 
 
 F32_MAX = float(np.finfo(np.float32).max)

@@ -92,7 +92,8 @@ class RemoteWriter(InFlightBatches):
     self._raise_when_full = on_full == "raise"
     self._put_timeout = validation.check_timeout(put_timeout)
     if validation.check_timeout(max_wait_s) is None:
-      raise ValueError("RemoteWriter: max_wait_s must be a number of seconds >= 0, got None.")
+      raise ValueError(f"RemoteWriter: max_wait_s must be a finite number of seconds >= 0, "
+                       f"got {max_wait_s!r}.")
     self._max_wait = float(max_wait_s)
     self._copy = bool(copy)
     self._table = table

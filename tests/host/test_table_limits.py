@@ -175,6 +175,35 @@ def test_close_wakes_blocked_sampler_and_inserter():
   t.close()  # idempotent
 
 
+def test_close_wakes_a_blocked_insert_of_payloads_with_its_count():
+  """A table keeping payloads: close() drops its sidecars while the insert waits; the
+  insert still raises TableClosedError with what went in (an AttributeError before)."""
+  t = Table(fr.queue(3, ITEM), payloads=True)
+  t.insert(np_items([0, 1]), payload=["p0", "p1"])
+  ins, box = run_thread(lambda: t.insert(np_items([2, 3]), payload=["a", "b"], timeout=30))
+  time.sleep(0.2)
+  assert ins.is_alive()
+  t.close()
+  ins.join(timeout=10)
+  assert isinstance(box["error"], TableClosedError), box
+  assert box["error"].inserted == 1
+
+
+@pytest.mark.parametrize("forever", [float("inf"), 1e300])
+def test_an_infinite_timeout_waits_like_none(forever):
+  """``timeout=inf`` waits forever (Condition.wait raised OverflowError past
+  threading.TIMEOUT_MAX, after part of the batch had gone in, without saying so)."""
+  t = Table(fr.queue(2, ITEM))
+  t.insert(np_items([0]))
+  ins, box = run_thread(lambda: t.insert(np_items([1, 2]), timeout=forever))
+  time.sleep(0.2)
+  assert ins.is_alive()  # item 1 in, item 2 waits for room
+  assert int(t.sample(1, timeout=forever).data["x"][0]) == 0
+  ins.join(timeout=10)
+  assert not ins.is_alive() and "error" not in box, box
+  assert [int(t.sample(1, timeout=np.float32(5)).data["x"][0]) for _ in range(2)] == [1, 2]
+
+
 # --- threads ------------------------------------------------------------------------
 
 def test_concurrent_inserters_and_samplers_conserve_items():

@@ -144,7 +144,7 @@ class Ingestor(ProducerQueue, InsertWorker, Batcher):
     self._put_timeout = validation.check_timeout(put_timeout)
     for what, v in (("max_wait_s", max_wait_s), ("insert_poll_s", insert_poll_s)):
       if validation.check_timeout(v) is None:
-        raise ValueError(f"Ingestor: {what} must be a number of seconds >= 0, got None.")
+        raise ValueError(f"Ingestor: {what} must be a finite number of seconds >= 0, got {v!r}.")
     self._table = table
     self._spec = table.spec
     if table.spec.ragged:

@@ -103,7 +103,10 @@ class Sidecars:
     occ = np.asarray(state.occupied)
     held = np.nonzero(occ)[0]
     self.key = np.where(occ, np.asarray(state.key).astype(np.int64), -1)
-    data_leaves = self.spec.signature.treedef.flatten_up_to(state.data)
+    # Only ragged tables read their length leaves here, and those store columns
+    # (``core.storage.resolve``); other tables (payloads only) may store packed rows.
+    data_leaves = (self.spec.signature.treedef.flatten_up_to(state.data)
+                   if self.spec.ragged else ())
     for j, (leaf, r) in enumerate(self.spec.ragged):
       lengths = np.asarray(data_leaves[leaf])[held].astype(np.int32)
       values = (np.zeros((0,), r.dtype) if ragged_values is None

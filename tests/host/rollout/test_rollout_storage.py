@@ -238,3 +238,19 @@ def test_ragged_values_follow_items_across_key_wrap():
   assert p.info.key.tolist() == [2**32 - 2, 2**32 - 1, 0, 1]
   assert p.data["tokens"].lengths.tolist() == [1, 2, 3, 4] and p.payload == ("a", "b", "c", "d")
   assert p.data["tokens"].values[3, :4].tolist() == [10, 11, 12, 13]
+
+
+def test_payloads_on_a_table_of_packed_rows(tmp_path):
+  """Payloads without ragged leaves on a table whose items are stored as packed rows (the
+  default for several leaves): ``Table(payloads=True)`` failed to build before."""
+  spec = fr.TableSpec(4, {"x": np.zeros((), np.int32), "y": np.zeros((2,), np.float32)})
+  assert spec.storage == "rows"
+  t = fr.Table(spec, payloads=True, seed=0)
+  for i in range(5):  # the ring wraps: item 0's payload goes with it
+    t.insert({"x": np.int32([i]), "y": np.float32([[i, -i]])}, payload=[f"p{i}"])
+  s = t.sample(4)
+  assert [f"p{x}" for x in np.asarray(s.data["x"]).tolist()] == list(s.payload)
+  r = fr.Table.restore(t.save(str(tmp_path / "c"), payloads="pickle"), allow_pickle=True)
+  s = r.peek(4)
+  assert sorted(s.payload) == ["p1", "p2", "p3", "p4"]
+  assert [f"p{x}" for x in np.asarray(s.data["x"]).tolist()] == list(s.payload)
