@@ -30,8 +30,11 @@ def touch_age(state, slots):
 
 
 def priority_bits(priority):
-  """int32 with the same order as the (non-negative, finite) float32 priorities."""
-  return lax.bitcast_convert_type(priority.astype(jnp.float32), jnp.int32)
+  """int32 with the same order as the (non-negative, finite) float32 priorities. ``-0.0``
+  (which passes every ``>= 0`` check) is ``0.0``: its bits are ``INT32_MIN``, which
+  would put it before every priority, and negated (a ``MaxHeap``) still there."""
+  bits = lax.bitcast_convert_type(priority.astype(jnp.float32), jnp.int32)
+  return jnp.maximum(bits, 0)
 
 
 def better_fn(selector, state):

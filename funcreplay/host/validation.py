@@ -87,7 +87,7 @@ def priority_rows(x, n: int, what: str, check: Optional[np.ndarray] = None) -> n
     raise ValueError(f"{what}: priorities must be finite and >= 0 (as float32); row {i} is "
                      f"{a.reshape(-1)[i if a.ndim else 0]!r} ({int(bad.sum())} bad rows). "
                      "Clip or fix them before calling.")
-  return np.ascontiguousarray(p)
+  return np.ascontiguousarray(p + np.float32(0.0))  # -0.0 + 0.0 is 0.0: one zero stored
 
 
 def has_denormal(p: np.ndarray, rows: np.ndarray) -> bool:
@@ -182,5 +182,5 @@ def check_version_priority(version, priority, what: str):
     if not 0.0 <= p <= F32_MAX:  # also rejects NaN
       raise ValueError(f"{what}: priority must be finite and >= 0 (as float32), got "
                        f"{priority!r}.")
-    priority = p
+    priority = p + 0.0  # -0.0 + 0.0 is 0.0
   return version, priority

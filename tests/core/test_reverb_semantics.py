@@ -276,6 +276,24 @@ def test_heap_ties_follow_the_order_of_updates_within_one_call(sampler):
   assert np.asarray(b.data["x"]).tolist() == [3, 0, 1, 2]
 
 
+@pytest.mark.parametrize("sampler", [fr.MinHeap(), fr.MaxHeap()], ids=lambda s: type(s).__name__)
+def test_negative_zero_priority_is_zero_in_heap_order(sampler):
+  """-0.0 passes every >= 0 check; its float32 bits sorted it before every priority, so a
+  MaxHeap sampled it first. It is 0.0: after 2.0 and 1.0 (MaxHeap), and tied with an
+  earlier 0.0 by age (MinHeap: the 0.0 inserted first)."""
+  spec = fr.TableSpec(4, ITEM, sampler=sampler)
+  f = jitted(spec)
+  state = f["insert"](f["table"].init(), items_from_ids([0, 1, 2, 3]),
+                      priority=np.float32([1.0, 0.0, 2.0, -0.0]))
+  _, b = f["sample"](state, jax.random.PRNGKey(0), batch_size=4)
+  want = [2, 0, 1, 3] if isinstance(sampler, fr.MaxHeap) else [1, 3, 0, 2]
+  assert np.asarray(b.data["x"]).tolist() == want
+  t = fr.Table(spec)  # the host table stores it as 0.0
+  t.insert(items_from_ids([0, 1]), priority=np.float32([-0.0, 1.0]))
+  assert np.signbit(np.asarray(t.peek(2).info.priority)).tolist() == [False, False]
+  t.close()
+
+
 @pytest.mark.parametrize("remover", [fr.MinHeap(), fr.MaxHeap()], ids=lambda s: type(s).__name__)
 def test_heap_remover_tie_evicts_the_least_recently_updated(remover):
   """Full table, a tie for the victim: the item touched least recently goes."""
