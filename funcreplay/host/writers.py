@@ -204,8 +204,8 @@ class SequenceWriter:
       self._episode_id = episode_id
     if (step_id is not None and self._last_step_id is not None and self._pos > 0
         and step_id != self._last_step_id + 1):
-      self._gaps += 1
       self._end_segment()
+      self._gaps += 1  # after: a sink that raises leaves the writer as it was, for a retry
     new = _Step(leaves, version, metadata)
     first = self._pos - (self._length - 1)  # start of the window ending at this step
     if first >= 0 and first % self._stride == 0:
@@ -221,9 +221,9 @@ class SequenceWriter:
 
   def end_episode(self) -> None:
     """End the current episode: handle its partial window (drop or pad)."""
+    self._end_segment()  # first: if the sink raises, nothing is counted (the caller retries)
     if self._open_episode:
       self._episodes += 1
-    self._end_segment()
     self._open_episode = False
     self._last_step_id = None
     self._episode_id = None

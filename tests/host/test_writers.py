@@ -119,6 +119,39 @@ def test_padding_at_gap_and_episode_end():
   assert (s.padded_items, s.dropped_partials, s.gaps) == (2, 0, 1)
 
 
+class FlakySink(Recorder):
+  """A recorder whose next ``fail`` puts raise TimeoutError (a full table)."""
+
+  def __init__(self, fail):
+    super().__init__()
+    self.fail = fail
+
+  def put(self, item, **kw):
+    if self.fail:
+      self.fail -= 1
+      raise TimeoutError("full")
+    super().put(item, **kw)
+
+
+@pytest.mark.parametrize("cause", ["episode", "gap"])
+def test_a_retried_append_counts_its_episode_or_gap_once(cause):
+  """The sink raises while an episode change (or a gap) ends a segment; the caller
+  retries the append, as the docs say. The episode / gap counted once (each failed try
+  counted one more before)."""
+  sink = FlakySink(fail=0)
+  w = SequenceWriter(sink, 3, pad=True, step_signature=STEP)
+  w.append(step(0), step_id=0, episode_id=1)
+  sink.fail = 2
+  kw = dict(step_id=0, episode_id=2) if cause == "episode" else dict(step_id=5, episode_id=1)
+  for _ in range(2):
+    with pytest.raises(TimeoutError):
+      w.append(step(1), **kw)
+  w.append(step(1), **kw)
+  s = w.stats()
+  assert (s.episodes, s.gaps) == ((1, 0) if cause == "episode" else (0, 1))
+  assert ids_of(sink, True) == [([0, 0, 0], 1)] and s.padded_items == 1
+
+
 def test_items_carry_version_and_metadata_of_their_first_step():
   rec = Recorder()
   w = SequenceWriter(rec, 3, stride=2, step_signature=STEP, priority_fn=lambda it: 2.0)
