@@ -233,7 +233,8 @@ class SamplingMixin:
           why = []
           if not limiter_ok:
             why.append(f"the rate limiter {_describe_limiter(spec)} forbids sampling now "
-                       f"(table size {int(self._state.size)}); insert more items")
+                       f"(table size {int(self._state.size)}); insert more items"
+                       + _batch_beyond_window(spec, batch_size, replace, cnt))
           if cnt < min_valid:
             why.append(f"only {int(cnt)} eligible items (need min_valid={min_valid}"
                        + (f"; max_staleness={spec.max_staleness} at version {ver_int}"
@@ -243,3 +244,19 @@ class SamplingMixin:
           why = "; and ".join(why)
           raise TimeoutError(f"{what}({batch_size}) timed out after {timeout} s: {why}, "
                              "or pass a larger timeout.")
+
+
+def _batch_beyond_window(spec, batch_size: int, replace: bool, cnt: int) -> str:
+  """A hint when the batch needs more limiter room than inserts can ever make: a batch is
+  one limiter decision for all its valid rows (Reverb fills a flexible batch instead), and
+  inserts stop at ``max_diff``, so such a batch waits until fewer items are eligible."""
+  lim = spec.rate_limiter
+  if lim.q_min is None or lim.q_max is None:
+    return ""
+  rows = (batch_size if cnt > 0 else 0) if replace else min(cnt, batch_size)
+  most = (lim.q_max - lim.q_min) // lim.ratio[1]  # samples the window holds at once
+  if rows <= most:
+    return ""
+  return (f"; but a batch of {rows} valid rows needs room for {rows} samples at once, and "
+          f"this limiter's window holds at most {most} between inserts (inserts stop at "
+          f"max_diff): sample at most {most} rows per call, or widen the window")

@@ -117,6 +117,19 @@ def test_stack_blocks_and_is_lifo():
     t.sample(1, timeout=0)
 
 
+def test_a_batch_wider_than_the_window_says_so():
+  """A batch is one limiter decision for all its rows: 32 rows never fit a window that
+  holds 20 samples between inserts. The timeout says which, not only "insert more"."""
+  t = Table(fr.TableSpec(256, ITEM, rate_limiter=fr.SampleToInsertRatio(0.25, 100, 10.0)))
+  with pytest.raises(TimeoutError):
+    while True:
+      t.insert(np_items([0]), timeout=0)
+  assert t.size == 140  # inserts stopped at max_diff
+  with pytest.raises(TimeoutError, match="a batch of 32 valid rows .* at most 20 between"):
+    t.sample(32, min_valid=1, timeout=0)
+  assert t.sample(20, timeout=0).valid.all()
+
+
 # --- blocking --------------------------------------------------------------------------
 
 def test_blocked_sampler_is_released_by_insert():
