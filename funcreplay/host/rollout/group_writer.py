@@ -163,9 +163,11 @@ class GroupWriter:
     group is counted in ``stats().failed``.
     """
     self._raise_pending()
-    if self._closed.is_set():
-      raise RuntimeError("GroupWriter.add: the writer is closed.")
     with self._lock:
+      # Under the lock, which close() takes to set the flag: a group begun here is then
+      # always seen by close()'s flush (checked before the lock, one could be left behind).
+      if self._closed.is_set():
+        raise RuntimeError("GroupWriter.add: the writer is closed.")
       if group_id in self._recent:
         self._stats.late += 1
         return False
@@ -190,20 +192,23 @@ class GroupWriter:
     """Insert every incomplete group now (masked, ``partial``); returns how many.
 
     Every group is tried; if inserts raise, the others still go in, the failures are
-    counted (``stats().failed``) and the first error is raised after the last insert."""
+    counted (``stats().failed``) and the first error is raised after the last insert.
+    Else a failed insert of the deadline thread not yet reported is raised here."""
     with self._lock:
       ids = list(self._groups)
       groups = [self._finish_locked(g) for g in ids]
     error = self._insert_all(groups)
     if error is not None:
       raise error
+    self._raise_pending()
     return len(groups)
 
   def close(self, flush: bool = True) -> None:
     """Stop the deadline thread; insert (``flush=True``) or drop the incomplete groups."""
-    if self._closed.is_set():
-      return
-    self._closed.set()
+    with self._lock:  # see add
+      if self._closed.is_set():
+        return
+      self._closed.set()
     if self._thread is not None:
       self._thread.join(timeout=10.0)
     if flush:
@@ -264,12 +269,17 @@ class GroupWriter:
         ids = [g for g, grp in self._groups.items() if grp.deadline <= now]
         groups = [self._finish_locked(g) for g in ids]
       error = self._insert_all(groups)
-      if error is not None and self._error is None:
-        # Re-raised in the producers; the thread goes on, so that no group stays pending
-        # past its deadline (each failure is counted in stats().failed).
-        self._error = error
+      if error is not None:
+        # Raised once, by the next add / flush / close; the thread goes on, so that no
+        # group stays pending past its deadline (each failure is counted in stats().failed).
+        with self._lock:
+          self._error = self._error or error
 
   def _raise_pending(self) -> None:
-    if self._error is not None:
-      raise RuntimeError(f"GroupWriter: inserting a timed-out group failed: {self._error!r}") \
-          from self._error
+    """Raise the deadline thread's first unreported insert error, once (then it is
+    reported: later calls proceed)."""
+    with self._lock:
+      error, self._error = self._error, None
+    if error is not None:
+      raise RuntimeError(f"GroupWriter: inserting a timed-out group failed: {error!r}") \
+          from error
