@@ -84,8 +84,13 @@ class PeriodicCheckpointer:
   def _due(self) -> bool:
     if self._every_s is not None and time.monotonic() - self._last_time >= self._every_s:
       return True
-    return (self._every_inserts is not None
-            and self._inserts() - self._last_inserts >= self._every_inserts)
+    if self._every_inserts is None:
+      return False
+    inserts = self._inserts()
+    if inserts < self._last_inserts:  # the table loaded an older checkpoint: count from it
+      with self._lock:
+        self._last_inserts = min(self._last_inserts, inserts)
+    return inserts - self._last_inserts >= self._every_inserts
 
   def _save(self) -> str:
     with self._lock:

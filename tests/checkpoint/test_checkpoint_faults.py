@@ -294,6 +294,30 @@ def test_periodic_checkpointer(tmp_path):
       os.path.basename(pc.saved[-1]).split("-")[1])
 
 
+@pytest.mark.timeout(60)
+def test_periodic_checkpointer_counts_inserts_from_a_loaded_older_checkpoint(tmp_path):
+  """table.load of an older checkpoint moves the inserts counter back; the checkpointer
+  counts from there (it saved nothing until the counter passed its old mark)."""
+  table = fr.Table(pairing_spec(0))
+  table.insert(items(2, 0))
+  early = table.save(tmp_path / "early")
+  with ck.PeriodicCheckpointer(table, tmp_path / "periodic", every_inserts=8) as pc:
+    for k in range(8):  # 16 inserts: ~2 saves
+      table.insert(items(2, 10 + 2 * k))
+    deadline = time.monotonic() + 10
+    while len(pc.saved) < 2 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    before = len(pc.saved)
+    table.load(early)  # inserts 16 -> 2
+    time.sleep(0.1)
+    for k in range(4):  # 8 inserts from the loaded count: one more save
+      table.insert(items(2, 50 + 2 * k))
+    deadline = time.monotonic() + 10
+    while len(pc.saved) == before and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert len(pc.saved) == before + 1
+
+
 @pytest.mark.timeout(30)
 def test_periodic_checkpointer_reraises_errors(tmp_path, monkeypatch):
   table = fr.Table(pairing_spec(0))
