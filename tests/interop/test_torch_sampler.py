@@ -150,6 +150,24 @@ def test_torch_sampler_close_stops_a_blocked_prefetch_thread():
 
 
 @pytest.mark.timeout(60)
+def test_an_abandoned_iterator_stops_its_prefetch_thread():
+  """``zip(range(n), sampler)`` drops each pass's iterator without close(): its thread
+  stops (each stayed blocked on its full queue, holding the batches, before)."""
+  table = small_table(64)
+  table.insert(rows(0, 64))
+  sampler = frt.TorchSampler(table, 4, prefetch=2)
+  for _ in range(3):
+    for _, batch in zip(range(2), sampler):
+      assert batch.valid.all()
+  deadline = time.monotonic() + 10
+  while _threads() and time.monotonic() < deadline:
+    time.sleep(0.02)
+  assert not _threads()
+  sampler.close()
+  table.close()
+
+
+@pytest.mark.timeout(60)
 def test_torch_sampler_staleness_by_version_fn():
   table = small_table(16, max_staleness=2)
   table.insert(rows(0, 8), version=5)

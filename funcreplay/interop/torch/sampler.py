@@ -7,6 +7,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from typing import Callable, Optional, Union
 
 import jax
@@ -56,39 +57,23 @@ class _BatchIterator:
     self._thread: Optional[threading.Thread] = None
     if owner.prefetch > 0:
       self._queue = queue.Queue(maxsize=owner.prefetch)
-      self._thread = threading.Thread(target=self._produce, name="funcreplay-torch-prefetch",
-                                      daemon=True)
+      # The thread holds no reference to this iterator: one dropped without close() (a
+      # `break`, `zip(range(n), sampler)`) is collected, and __del__ stops its thread.
+      self._thread = threading.Thread(
+          target=_produce, args=(owner, self._stop, self._queue, self._pending),
+          name="funcreplay-torch-prefetch", daemon=True)
       self._thread.start()
 
   def __iter__(self):
     return self
 
+  def __del__(self):
+    # No join: the last reference may go on any thread. The thread ends at its next check
+    # (within one sample's wait and 50 ms); the batches it had prefetched were sampled.
+    self._stop.set()
+
   def _limit_reached(self, produced: int) -> bool:
-    n = self._owner.num_batches
-    return n is not None and produced >= n
-
-  def _produce(self) -> None:
-    produced = 0
-    try:
-      while not self._stop.is_set() and not self._limit_reached(produced):
-        batch = self._owner._next_batch(self._stop, self._pending)  # noqa: SLF001
-        if batch is None:  # stopped while waiting
-          return
-        if not self._put(batch):
-          return
-        produced += 1
-      self._put(_Stop())
-    except BaseException as e:  # noqa: BLE001 (handed to the consumer, re-raised there)
-      self._put(e)
-
-  def _put(self, item) -> bool:
-    while not self._stop.is_set():
-      try:
-        self._queue.put(item, timeout=0.05)
-        return True
-      except queue.Full:
-        continue
-    return False
+    return _limit_reached(self._owner, produced)
 
   def __next__(self) -> TorchBatch:
     if self._error is not None:
@@ -125,6 +110,38 @@ class _BatchIterator:
     if t is not None and t is not threading.current_thread():
       t.join()
     self._owner._forget(self)  # noqa: SLF001
+
+
+def _limit_reached(owner: "TorchSampler", produced: int) -> bool:
+  n = owner.num_batches
+  return n is not None and produced >= n
+
+
+def _produce(owner: "TorchSampler", stop: threading.Event, out: queue.Queue,
+             pending: list) -> None:
+  """The prefetch thread of one ``_BatchIterator`` (which it does not reference)."""
+  produced = 0
+  try:
+    while not stop.is_set() and not _limit_reached(owner, produced):
+      batch = owner._next_batch(stop, pending)  # noqa: SLF001
+      if batch is None:  # stopped while waiting
+        return
+      if not _put(stop, out, batch):
+        return
+      produced += 1
+    _put(stop, out, _Stop())
+  except BaseException as e:  # noqa: BLE001 (handed to the consumer, re-raised there)
+    _put(stop, out, e)
+
+
+def _put(stop: threading.Event, out: queue.Queue, item) -> bool:
+  while not stop.is_set():
+    try:
+      out.put(item, timeout=0.05)
+      return True
+    except queue.Full:
+      continue
+  return False
 
 
 class TorchSampler(torch_data.IterableDataset):
@@ -214,7 +231,7 @@ class TorchSampler(torch_data.IterableDataset):
     self.batches_per_call = batches_per_call
     self.on_copy = on_copy
     self._lock = threading.Lock()
-    self._iterators: list = []
+    self._iterators = weakref.WeakSet()  # live iterators (close() stops them); weak: see __del__
     self._default: Optional[_BatchIterator] = None
     self._sampled = 0
     self._packed: Optional[bool] = None  # decided on the first sample
@@ -329,7 +346,7 @@ class TorchSampler(torch_data.IterableDataset):
                          "lives in this process): use num_workers=0 and prefetch= instead.")
     it = _BatchIterator(self)
     with self._lock:
-      self._iterators.append(it)
+      self._iterators.add(it)
     return it
 
   def __next__(self) -> TorchBatch:
@@ -339,8 +356,7 @@ class TorchSampler(torch_data.IterableDataset):
 
   def _forget(self, it) -> None:
     with self._lock:
-      if it in self._iterators:
-        self._iterators.remove(it)
+      self._iterators.discard(it)
 
   def close(self) -> None:
     """Stop every prefetch thread of this sampler (waits for them)."""
