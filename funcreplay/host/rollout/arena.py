@@ -86,6 +86,23 @@ class RaggedArena:
     staged.active[rows] = False
     self.live += int(np.sum(staged.lengths[rows], dtype=np.int64))
 
+  def adopt_staged(self, other: "RaggedArena") -> None:
+    """Take over ``other``'s staged rows (inserts waiting on the rate limiter when a
+    ``Table.load`` replaced ``other`` by this arena): their values are appended here, and
+    the same ``Staged`` objects (which those inserts hold) now point into this arena."""
+    for st in other._staged:  # noqa: SLF001 (the same class)
+      rows = np.nonzero(st.active)[0]
+      lengths = st.lengths[rows].astype(np.int64)
+      n = int(lengths.sum())
+      self._reserve(n)
+      starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+      idx = np.repeat(st.offsets[rows] - starts, lengths) + np.arange(n, dtype=np.int64)
+      self.buf[self.top:self.top + n] = other.buf[idx]
+      st.offsets[rows] = self.top + starts
+      self.top += n
+      self._staged.append(st)
+    other._staged = []  # noqa: SLF001
+
   def release(self, staged: "Staged") -> None:
     """End ``staged``: its rows not attached are garbage from now on."""
     self._staged = [s for s in self._staged if s is not staged]

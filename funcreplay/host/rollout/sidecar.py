@@ -119,6 +119,7 @@ class Sidecars:
       if st is not None:
         fresh.attach(held, st, np.arange(held.size))
         fresh.release(st)
+      fresh.adopt_staged(self.arenas[j])  # an insert waiting on the limiter keeps its rows
       self.arenas[j] = fresh
     if self.payload is not None:
       self.payload = np.full((c,), None, object)
