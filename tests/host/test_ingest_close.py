@@ -124,3 +124,30 @@ def test_exit_on_exception_discards_blocked_items_and_says_how_many(fast_close):
   notes = " ".join(getattr(e.value, "__notes__", []))
   assert f"discarded {s.discarded} accepted items" in notes
   assert t.size == s.inserted
+
+
+@pytest.mark.timeout(60)
+def test_a_flush_whose_items_were_discarded_raises():
+  """close(discard_pending=True) releases a waiting flush: it raises, naming the discarded
+  items (it returned as if they were in the table), and so does a flush after it."""
+  t, ing = blocked_table()
+  out = {}
+
+  def flush():
+    try:
+      ing.flush(timeout=30)
+      out["flush"] = "returned"
+    except Exception as e:  # noqa: BLE001 (inspected below)
+      out["flush"] = e
+  th = threading.Thread(target=flush)
+  th.start()
+  time.sleep(0.3)
+  assert th.is_alive()  # the limiter blocks the queued items
+  ing.close(timeout=10, discard_pending=True)
+  th.join(10)
+  s = ing.stats()
+  assert s.discarded > 0 and t.size + s.discarded == 20
+  assert isinstance(out["flush"], fr.IngestorClosedError), out
+  assert f"{s.discarded} accepted items were discarded" in str(out["flush"])
+  with pytest.raises(fr.IngestorClosedError, match="discarded"):
+    ing.flush(timeout=1)

@@ -25,10 +25,11 @@ NEVER = 1 << 62  # "no producer needs to wake the insert thread"
 class Marker:
   """A flush request travelling through the queue (FIFO: everything before it is done)."""
 
-  __slots__ = ("event",)
+  __slots__ = ("event", "dropped")
 
   def __init__(self):
     self.event = threading.Event()
+    self.dropped = False  # released by close(discard_pending=True), not by the inserts
 
 
 class Discarding(Exception):
@@ -142,6 +143,8 @@ class ProducerQueue:
       if self._done:
         if self._error is not None:
           raise self._wrapped_error("flush")
+        if self._discarded:
+          raise self._discarded_error()
         return  # closed: everything accepted has been inserted already
       self._markers += 1
       self._q.append(marker)
@@ -151,6 +154,13 @@ class ProducerQueue:
                          "still pending (is the table's rate limiter blocking inserts?).")
     if self._error is not None:
       raise self._wrapped_error("flush")
+    if marker.dropped:
+      raise self._discarded_error()
+
+  def _discarded_error(self) -> IngestorClosedError:
+    return IngestorClosedError(
+        f"Ingestor.flush: the ingestor was closed with discard_pending=True; "
+        f"{self._discarded} accepted items were discarded, not inserted.")
 
   # -- producer helpers -------------------------------------------------------------------
   def _check_extras(self, version, priority, metadata):

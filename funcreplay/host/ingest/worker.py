@@ -83,7 +83,7 @@ class InsertWorker:
         with self._lock:
           self._discarded += self._inflight
           self._inflight = 0
-        self._release_markers(self._cur)
+        self._release_markers(self._cur, dropped=True)
       self._cur = None
       since_sync += 1
       if self._sync_every and since_sync >= self._sync_every:
@@ -110,29 +110,32 @@ class InsertWorker:
         self._release_markers((batch[i],))
       start = i + 1
 
-  def _release_markers(self, entries) -> None:
+  def _release_markers(self, entries, dropped: bool = False) -> None:
+    """Wake the flushes waiting on the markers among ``entries``; ``dropped``: their items
+    were discarded, not inserted (the flush raises)."""
     with self._lock:
       for e in entries or ():
         if e.__class__ is _Marker and not e.event.is_set():
           self._markers -= 1
+          e.dropped = dropped
           e.event.set()
 
   def _drop_queued(self, failed: bool) -> None:
     """Pop everything queued; count the items as failed (or discarded); release markers."""
-    dropped = []
+    entries = []
     while True:
       try:
-        dropped.append(self._q.popleft())
+        entries.append(self._q.popleft())
       except IndexError:
         break
-    n = sum(1 for e in dropped if e.__class__ is not _Marker)
+    n = sum(1 for e in entries if e.__class__ is not _Marker)
     with self._lock:
       if failed:
         self._failed += n
       else:
         self._discarded += n
       self._room_cv.notify_all()
-    self._release_markers(dropped)
+    self._release_markers(entries, dropped=not failed)
 
   def _drain_after_failure(self) -> None:
     """After a failure: count whatever racing producers still append, until close()."""
