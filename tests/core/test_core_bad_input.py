@@ -77,3 +77,43 @@ def test_where_mask_shape_is_checked():
   table = fr.make_table(spec)
   with pytest.raises(ValueError, match="bool mask of shape \\[4\\]"):
     table.sample(table.init(), jax.random.PRNGKey(0), batch_size=2, where=jnp.ones((3,), bool))
+
+
+@pytest.mark.parametrize("storage", ["rows", "columns"])
+def test_inserting_no_rows_leaves_the_state_as_it_was(storage):
+  """B = 0: the state comes back unchanged on both executors (packed rows raised a
+  ZeroDivisionError, and the portable columns program a zero-size max)."""
+  spec = fr.TableSpec(4, ITEM, sampler=fr.Prioritized(0.6), storage=storage)
+  t = fr.make_table(spec)
+  state = t.insert(t.init(), items_from_ids([1, 2, 3]), priority=np.float32([1, 2, 3]))
+  after = t.insert(state, items_from_ids([]))
+  for x, y in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(after)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_keyed_calls_check_their_slots_keys_and_values():
+  """Float slots were truncated to other slots; a scalar or 2-D slot array raised an
+  IndexError or failed inside the kernel. Each is now an error naming the argument."""
+  spec = fr.TableSpec(4, ITEM, sampler=fr.Prioritized(0.6), metadata=("task",))
+  t = fr.make_table(spec)
+  state = t.insert(t.init(), items_from_ids([1, 2]), priority=np.float32([1, 2]))
+  keys = np.uint32([0, 1])
+  calls = {
+      "update_priorities": lambda s, k, v: t.update_priorities(state, s, k, v),
+      "delete": lambda s, k, v: t.delete(state, s, k),
+      "set_metadata": lambda s, k, v: t.set_metadata(state, s, k, "task", v.astype(np.int32)),
+  }
+  for what, call in calls.items():
+    with pytest.raises(TypeError, match=f"{what}: slots must be integers"):
+      call(np.array([0.5, 1.7]), keys, np.float32([5, 7]))
+    for bad, shape in ((np.int32(0), r"\[\]"), (np.int32([[0], [1]]), r"\[2, 1\]")):
+      with pytest.raises(ValueError, match=f"{what}: slots must be int32.K., got shape {shape}"):
+        call(bad, keys if bad.ndim else np.uint32(0), np.float32([5, 7][:bad.size]))
+    with pytest.raises(ValueError, match=f"{what}: keys must be a scalar or of the slots' shape"):
+      call(np.int32([0, 1]), np.uint32([0, 1, 2]), np.float32([5, 7]))
+    with pytest.raises(TypeError, match=f"{what}: keys must be integers"):
+      call(np.int32([0, 1]), np.float32([0, 1]), np.float32([5, 7]))
+  with pytest.raises(ValueError, match="update_priorities: priorities must be a scalar or"):
+    t.update_priorities(state, np.int32([0, 1]), keys, np.float32([5, 7, 9]))
+  with pytest.raises(TypeError, match="set_metadata: values must be integers"):
+    t.set_metadata(state, np.int32([0, 1]), keys, "task", np.float32([5, 7]))

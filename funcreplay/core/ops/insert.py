@@ -85,6 +85,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   if unknown:
     raise ValueError(f"insert: unknown metadata columns {sorted(unknown)}; the spec declares "
                      f"{list(spec.metadata)}.")
+  if b == 0:  # nothing to insert (packing and the priority max need rows): as is
+    return state
   all_rows = mask is None
   mask = jnp.ones((b,), bool) if mask is None else _rows(mask, b, bool, "insert mask")
   versions = _rows(version, b, jnp.int32, "insert version")

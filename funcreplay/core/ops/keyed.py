@@ -11,7 +11,7 @@ from funcreplay.core import counters as ctr
 from funcreplay.core import executor, indexes, inplace, item_info
 from funcreplay.core.ops import priorities_lean
 from funcreplay.core.ops.rows import key_matches as _key_matches
-from funcreplay.core.ops.rows import last_occurrence
+from funcreplay.core.ops.rows import keyed_args, last_occurrence
 from funcreplay.core.ops.rows import sanitize_priorities as _sanitize_priorities
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
@@ -28,7 +28,8 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
   (``TableState.touched``): ties then prefer the least recently updated.
   ``native``: an executor (``core.executor``) whose CPU kernel runs where one applies.
   """
-  slots = jnp.asarray(slots, jnp.int32)
+  slots, keys, priorities = keyed_args("update_priorities", slots, keys, priorities,
+                                       "priorities")
   priorities = jnp.broadcast_to(jnp.asarray(priorities, jnp.float32), slots.shape)
   keys = jnp.broadcast_to(jnp.asarray(keys, jnp.uint32), slots.shape)
   native = executor.check(native, "update_priorities")
@@ -80,7 +81,7 @@ def set_metadata(spec: TableSpec, state: TableState, slots, keys, column: str,
   if column not in spec.metadata:
     raise ValueError(f"set_metadata: unknown column {column!r}; the spec declares "
                      f"{list(spec.metadata)}.")
-  slots = jnp.asarray(slots, jnp.int32)
+  slots, keys, values = keyed_args("set_metadata", slots, keys, values, values_kinds="iu")
   values = jnp.broadcast_to(jnp.asarray(values, jnp.int32), slots.shape)
   safe, ok = _key_matches(state, slots, keys)
   win = last_occurrence(safe, ok)

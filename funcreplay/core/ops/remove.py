@@ -8,7 +8,7 @@ from funcreplay.core import counters as ctr
 from funcreplay.core import indexes, inplace, item_info, staleness
 from funcreplay.core.ops.queries import stale_mask
 from funcreplay.core.ops.rows import key_matches as _key_matches
-from funcreplay.core.ops.rows import last_occurrence, take
+from funcreplay.core.ops.rows import keyed_args, last_occurrence, take
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -56,6 +56,7 @@ def require_holes(spec: TableSpec, what: str) -> None:
 def delete(spec: TableSpec, state: TableState, slots, keys) -> TableState:
   """Remove the items at ``slots`` whose key still equals ``keys`` (int32/uint32 [K])."""
   require_holes(spec, "delete")
+  slots, keys, _ = keyed_args("delete", slots, keys)
   safe, ok = _key_matches(state, slots, keys)
   ok = last_occurrence(safe, ok)
   state = remove(spec, state, safe, ok, "deletes")

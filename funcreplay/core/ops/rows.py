@@ -43,6 +43,31 @@ def rows(x, b, dtype, name):
   return jnp.broadcast_to(checked, (b,)).astype(dtype)
 
 
+def keyed_args(what: str, slots, keys, values=None, values_name: str = "values",
+               values_kinds: str = "iuf"):
+  """``(slots int32[K], keys, values)`` of a keyed call (``delete``, ``update_priorities``,
+  ``set_metadata``), checked when tracing: ``slots`` integers of one axis (a float slot
+  would be truncated to another slot), ``keys`` integers and ``values`` (of a dtype kind in
+  ``values_kinds``) a scalar or of the same ``[K]`` shape. Raises naming the argument."""
+  slots_in = jnp.asarray(slots)
+  if slots_in.dtype.kind not in "iu":
+    raise TypeError(f"{what}: slots must be integers (Sample.info.slot), got "
+                    f"{slots_in.dtype}.")
+  if slots_in.ndim != 1:
+    raise ValueError(f"{what}: slots must be int32[K], got shape {list(slots_in.shape)}.")
+  for name, x, kinds in (("keys", keys, "iu"), (values_name, values, values_kinds)):
+    if x is None:
+      continue
+    x = jnp.asarray(x)
+    if x.dtype.kind not in kinds:
+      raise TypeError(f"{what}: {name} must be {'integers' if kinds == 'iu' else 'numbers'}, "
+                      f"got {x.dtype}.")
+    if x.ndim and x.shape != slots_in.shape:
+      raise ValueError(f"{what}: {name} must be a scalar or of the slots' shape "
+                       f"{list(slots_in.shape)}, got {list(x.shape)}.")
+  return slots_in.astype(jnp.int32), keys, values
+
+
 def sanitize_priorities(p, counted):
   """Negative / NaN / inf -> 0 (documented); returns (clean, n_invalid)."""
   bad = ~jnp.isfinite(p) | (p < 0)

@@ -109,8 +109,10 @@ def make_trajectory_table(spec: TrajectorySpec, *,
                              where=where, replace=replace, executor=executor)
 
   def eligible(state, *, version=None, where=None):
-    """bool[N]: windows a ``sample`` with these arguments may return."""
-    return sample_lib.eligible(spec, state, version=version, where=where)
+    """bool[N]: windows a ``sample`` with these arguments may return (under
+    ``Prioritized``, of positive priority: ``count`` is their number)."""
+    ok = sample_lib.eligible(spec, state, version=version, where=where)
+    return sample_lib.weights(spec, state, ok) > 0 if spec.prioritized else ok
 
   def count(state, *, version=None, where=None):
     """int32[]: the number of such windows (O(1) or O(E) without masks, else O(N)); under

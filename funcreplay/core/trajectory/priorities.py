@@ -35,6 +35,9 @@ def update_priorities(spec: TrajectorySpec, state: TrajectoryState, slots, keys,
   if not spec.prioritized:
     raise ValueError("update_priorities: the spec's sampler is Uniform; priorities need "
                      "sampler=fr.Prioritized(...).")
+  if jnp.asarray(slots).dtype.kind not in "iu":  # a float slot would be truncated to another
+    raise TypeError(f"update_priorities: slots must be integers (Sample.info.slot), got "
+                    f"{jnp.asarray(slots).dtype}.")
   slots = jnp.asarray(slots, jnp.int32)
   if slots.ndim != 1:
     raise ValueError(f"update_priorities: slots must be int32[K], got shape {list(slots.shape)}.")
@@ -54,7 +57,7 @@ def update_priorities(spec: TrajectorySpec, state: TrajectoryState, slots, keys,
   ok = ok & last_occurrence(jnp.where(ok, w, n), n)
   pr = jnp.where(jnp.isfinite(priorities) & (priorities > 0), priorities, 0.0)
   priority = state.priority.at[jnp.where(ok, w, n)].set(pr, mode="drop")
-  max_priority = jnp.maximum(state.max_priority, jnp.max(jnp.where(ok, pr, 0.0)))
+  max_priority = jnp.maximum(state.max_priority, jnp.max(jnp.where(ok, pr, 0.0), initial=0.0))
   tree, positive = prioritized.refresh(state.weight_tree, state.positive, w,
                                        prioritized.window_weight(spec, pr), ok)
   return state.replace(priority=priority, max_priority=max_priority, weight_tree=tree,

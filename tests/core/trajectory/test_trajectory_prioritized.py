@@ -97,6 +97,26 @@ def test_update_priorities_is_key_guarded():
   assert float(st5.priority[int(st5.head[0] - 2) // 2]) == 6.0
 
 
+def test_eligible_leaves_out_zero_priority_windows_as_count_and_sample_do():
+  """``eligible`` listed a window of priority 0, which ``count`` left out and ``sample``
+  never returns; an update of no rows (K = 0) raised a zero-size max."""
+  spec = fr.TrajectorySpec(num_envs=1, time_capacity=4, sequence_length=1, period=1,
+                           signature={"a": jnp.zeros((), jnp.int32)},
+                           sampler=fr.Prioritized(0.6))
+  t = fr.make_trajectory_table(spec)
+  s = t.add(t.init(), {"a": jnp.arange(4, dtype=jnp.int32)[None]})
+  s = t.update_priorities(s, jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.uint32),
+                          jnp.zeros((0,), jnp.float32))
+  _, b = t.sample(s, jax.random.PRNGKey(0), batch_size=1)
+  s = t.update_priorities(s, b.info.slot, b.info.key, jnp.zeros((1,), jnp.float32))
+  want = [w != int(b.info.slot[0]) for w in range(4)]
+  for kw in ({}, {"where": jnp.ones((4,), bool)}):
+    assert np.asarray(t.eligible(s, **kw)).tolist() == want
+    assert int(t.count(s, **kw)) == 3
+  with pytest.raises(TypeError, match="slots must be integers"):
+    t.update_priorities(s, jnp.float32([0.5]), b.info.key, jnp.ones((1,), jnp.float32))
+
+
 def test_staleness_by_first_step_version():
   spec = fr.TrajectorySpec(1, 16, 3, 1, X, max_staleness=1)
   table = jitted(spec)
