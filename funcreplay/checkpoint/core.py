@@ -46,10 +46,9 @@ class Restored:
     path: the checkpoint directory actually read.
     num_shards: S for a sharded checkpoint, else None.
     sidecar: ``{name: array}``: a host Table's ragged values / payloads, or None.
-    sidecar_order: None when the sidecar's per-item pieces (kept in slot order of the
-      occupied slots) match ``state``'s items as they are; else int[N]: item ``i`` of
-      ``state`` (in slot order) is the saved item ``sidecar_order[i]`` (the capacity
-      grew and a Fifo ring was unrolled: ``migrate.item_order``).
+    sidecar_order: None, or int[N] when the items moved (a grown Fifo ring is unrolled):
+      item ``i`` of ``state`` (in slot order) is saved item ``sidecar_order[i]`` (in the
+      saved slot order, which the sidecar's pieces follow; ``migrate.item_order``).
   """
 
   state: TableState
@@ -347,9 +346,8 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
     extra = manifest.get("extra")
   except KeyError as e:
     if manifest.get("table_kind") is not None:  # e.g. save_trajectory's
-      raise CheckpointError(
-          f"{path}: a checkpoint of a {manifest['table_kind']!r} table, not of a Table or a "
-          "TableState; restore it with funcreplay.restore_trajectory.") from None
+      raise CheckpointError(f"{path}: a checkpoint of a {manifest['table_kind']!r} table, not "
+                            "a Table's; restore it with funcreplay.restore_trajectory.") from None
     raise CheckpointError(f"{mpath}: the manifest lacks {e}; it is corrupted.") from None
   host = fields.parse_host(host, mpath)
   if spec is None:

@@ -133,7 +133,8 @@ class ProducerQueue:
     """Wait until every item accepted before this call is in the table.
 
     Raises ``TimeoutError`` after ``timeout`` seconds (the items stay queued),
-    ``IngestorError`` if the insert thread failed.
+    ``IngestorError`` if the insert thread failed, ``IngestorClosedError`` if
+    ``close(discard_pending=True)`` discarded items instead of inserting them.
     """
     timeout = validation.check_timeout(timeout)
     if self._error is not None:

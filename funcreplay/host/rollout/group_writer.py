@@ -9,8 +9,8 @@ and the ``partial`` status (a background thread checks deadlines every
 ``poll_s``). A response for a group already inserted is *late*: it is refused
 (``add`` returns False) and counted, never dropped silently. A group whose insert
 raises is counted as ``failed`` and the error reaches the caller (``add`` / ``flush``
-raise it; a timed-out group's, from the background thread, is raised by the next
-``add`` / ``flush`` / ``close``).
+raise it; a timed-out group's, from the background thread, is raised once, by the next
+``add`` / ``flush`` / ``close``, after which the writer goes on).
 
 The default assembly (``assemble_group``) maps response leaves to group leaves by
 name, over a dict signature: a ``Ragged`` group leaf concatenates the responses'
