@@ -14,7 +14,8 @@ There is no JAX peer (flashbax has no ordered sampler but its queue, see
 ``bench_scan_queue.py``); the peer is this library's previous program, the sort of all C
 slots by the sampler's order (``ordering.sorted_eligible``), traced in the same process
 by pointing ``ordering.first_eligible`` at it. ``> 1``: the selection by top-k passes is
-faster.
+faster. On a GPU ``first_eligible`` is itself one sort (``ordering.sort_first``: XLA:GPU
+sorts the table for each top-k), so there both sides sort and the ratio is ~1.
 """
 
 from __future__ import annotations

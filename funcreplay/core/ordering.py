@@ -12,6 +12,8 @@ stamps (mod 2**32, correct while both items were touched within the last
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -151,7 +153,32 @@ def first_eligible(selector, state, eligible, b: int):
   """``(slots int32[b], num_eligible int32[])``: the first ``b`` eligible slots in
   ``selector``'s order (``order_keys``; equal keys by slot), -1 past the eligible ones.
 
-  The rows of ``sorted_eligible(...)[:b]`` without sorting the table: a radix select
+  Two executors of the same rows, chosen when the program is lowered
+  (``lax.platform_dependent``: no condition in the program): ``select_first`` on the CPU
+  and the TPU, ``sort_first`` on a GPU, where XLA:GPU lowers a top-k over the table to a
+  sort of the table, so each of the select's digits cost a sort (H200: a heap table's
+  insert 64 + sample 64 step 240 us with the select, 154 us with one sort; BUILD.md "On
+  XLA:GPU", second measurements). ``b <= C`` static; ``eligible`` bool[C].
+  """
+  select = functools.partial(select_first, selector, b=b)
+  by_sort = functools.partial(sort_first, selector, b=b)
+  return lax.platform_dependent(state, eligible, cuda=by_sort, rocm=by_sort, default=select)
+
+
+def sort_first(selector, state, eligible, b: int):
+  """``first_eligible``'s rows by one multi-operand sort of the table (O(C log C)): the
+  eligible first, then the order keys as ``select_first`` compares them
+  (``ascending_u32`` words: ``-0.0`` ties with ``0.0``), then the slot."""
+  c = eligible.shape[0]
+  words = [ascending_u32(k) for k in order_keys(selector, state)]
+  out = lax.sort(((~eligible).astype(jnp.int32), *words, jnp.arange(c, dtype=jnp.int32)),
+                 num_keys=1 + len(words))
+  n = jnp.sum(eligible, dtype=jnp.int32)
+  return jnp.where(jnp.arange(b) < n, out[-1][:b], -1), n
+
+
+def select_first(selector, state, eligible, b: int):
+  """``first_eligible``'s rows without sorting the table: a radix select
   whose digits are picked by ``lax.top_k`` (XLA:CPU runs float32 top-k as a tuned
   O(C log b) kernel; a sort of C multi-operand rows compiles a comparator call per
   comparison: 10-17 ms at C = 65,536). The keys' bits (64 for the heaps and the version

@@ -55,22 +55,29 @@ def _reference(selector, state, eligible, b):
   return np.where(np.arange(b) < n, order[:b], -1), n
 
 
+# ``first_eligible``'s executors: the select (CPU, TPU) and the one sort (GPU), each
+# checked here on the CPU against numpy.
+EXECUTORS = ["select_first", "sort_first"]
+
+
 @functools.lru_cache(maxsize=None)
-def _program(selector, b):
-  return jax.jit(lambda s, e: ordering.first_eligible(selector, s, e, b))
+def _program(selector, b, executor="select_first"):
+  fn = getattr(ordering, executor)
+  return jax.jit(lambda s, e: fn(selector, s, e, b))
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("selector", SELECTORS, ids=lambda s: type(s).__name__)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
-def test_the_first_eligible_slots_are_the_sorted_ones(selector, data):
+def test_the_first_eligible_slots_are_the_sorted_ones(selector, executor, data):
   c = data.draw(st.integers(1, 24))
   col = lambda s: data.draw(st.lists(s, min_size=c, max_size=c))  # noqa: E731
   state = _state(c, col(WORDS), col(WORDS), data.draw(WORDS), data.draw(WORDS),
                  col(PRIORITIES), col(st.integers(-(1 << 31), (1 << 31) - 1) | st.just(0)))
   eligible = np.asarray(col(st.booleans()))
   b = data.draw(st.integers(1, c))
-  got, n = _program(selector, b)(state, jnp.asarray(eligible))
+  got, n = _program(selector, b, executor)(state, jnp.asarray(eligible))
   want, n_want = _reference(selector, state, eligible, b)
   np.testing.assert_array_equal(np.asarray(got), want)
   assert int(n) == n_want
@@ -79,7 +86,8 @@ def test_the_first_eligible_slots_are_the_sorted_ones(selector, data):
 @pytest.mark.parametrize("selector", [sel.Lifo(), sel.Fifo(), sel.MinHeap()],
                          ids=lambda s: type(s).__name__)
 @pytest.mark.parametrize("pattern", ["rising", "falling", "equal"])
-def test_long_monotone_and_equal_keys(selector, pattern):
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_long_monotone_and_equal_keys(selector, pattern, executor):
   """Keys that rise or fall along the slots (the top-k passes' slow and fast inputs),
   and all equal (every slot a candidate to the end: the slot decides)."""
   c, b = 3000, 37
@@ -88,12 +96,23 @@ def test_long_monotone_and_equal_keys(selector, pattern):
   state = _state(c, keys.astype(np.uint32), keys.astype(np.uint32), c + 1, c + 1,
                  (keys % 7).astype(np.float32), np.zeros(c, np.int32))
   eligible = (i % 5 != 3)
-  got, _ = _program(selector, b)(state, jnp.asarray(eligible))
+  got, _ = _program(selector, b, executor)(state, jnp.asarray(eligible))
   np.testing.assert_array_equal(np.asarray(got), _reference(selector, state, eligible, b)[0])
 
 
+def test_first_eligible_picks_the_select_on_the_cpu():
+  """The program lowered for the CPU holds the select's top-k passes, not the sort."""
+  c, b = 3000, 37
+  state = _state(c, np.arange(c), np.arange(c), c + 1, c + 1, np.ones(c), np.zeros(c))
+  txt = jax.jit(lambda s, e: ordering.first_eligible(sel.MinHeap(), s, e, b)).lower(
+      state, jnp.ones((c,), bool)).as_text()
+  assert "topk" in txt.lower() or "top_k" in txt.lower(), txt[:2000]
+  assert f"tensor<{c}xi32>, tensor<{c}xui32>" not in txt  # no multi-operand sort of C
+
+
 def test_a_heap_sample_in_a_scan_sorts_no_table_sized_array():
-  """The old program sorted all C slots (a multi-operand sort, 17 ms at C = 65,536)."""
+  """The old program sorted all C slots (a multi-operand sort, 17 ms at C = 65,536). On
+  the CPU: on a GPU ``first_eligible`` sorts the table by design (``sort_first``)."""
   cap, b = 4096, 32
   spec = fr.TableSpec(cap, {"x": np.zeros((), np.int32)}, sampler=fr.MinHeap(),
                       remover=fr.Fifo(), max_times_sampled=1)
