@@ -48,11 +48,17 @@ SPECS = {
     "prioritized-reuse-staleness": dict(sampler=fr.Prioritized(1.0), max_times_sampled=3,
                                         max_staleness=2),
     "prioritized-lifo": dict(sampler=fr.Prioritized(0.8), remover=fr.Lifo()),
+    # The ordered samplers: on a GPU ``ordering.first_eligible`` sorts the table
+    # (``sort_first``), on the CPU it selects by top-k passes (``select_first``).
+    "min-heap-queue": dict(sampler=fr.MinHeap(), remover=fr.Fifo(), max_times_sampled=1),
+    "max-heap-staleness": dict(sampler=fr.MaxHeap(), max_staleness=3),
+    "stack": dict(sampler=fr.Lifo(), remover=fr.Lifo()),
+    "stalest-first": dict(sampler=fr.StalestFirst(), max_times_sampled=2),
 }
 
 
 @functools.lru_cache(maxsize=None)
-def _programs(name):
+def programs(name):
   spec = fr.TableSpec(CAP, ITEM, **SPECS[name])
   t = fr.make_table(spec, native=False)
   return spec, t, dict(
@@ -61,13 +67,14 @@ def _programs(name):
       update=jax.jit(t.update_priorities), delete=jax.jit(t.delete))
 
 
-def _run(name, device, seed):
+def run_sequence(name, device, seed):
   """The op sequence of ``seed`` on ``device``; returns every output, in order, on the host."""
-  spec, table, p = _programs(name)
+  spec, table, p = programs(name)
   put = functools.partial(jax.device_put, device=device)
   rs = np.random.default_rng(seed)
   state = put(table.init())
   outs, version, inserted = [], 0, 0
+  random_sampler = isinstance(spec.sampler, (fr.Uniform, fr.Prioritized))  # others: no replace
   for _ in range(STEPS):
     op = rs.choice(["insert", "insert", "sample", "replace", "where", "prio", "delete",
                     "version"])
@@ -84,7 +91,7 @@ def _run(name, device, seed):
       where = put(jnp.asarray(rs.random(CAP) < 0.6)) if op == "where" else None
       state, batch = p["sample"](state, put(jax.random.PRNGKey(int(rs.integers(2**31)))),
                                  batch_size=b, version=version, where=where,
-                                 replace=op == "replace")
+                                 replace=op == "replace" and random_sampler)
       outs.append((op, jax.device_get(batch)))
       if spec.prioritized:  # write back new priorities, a slot twice when replace repeats it
         prio = put(jnp.asarray(rs.random(b) * 3, jnp.float32))
@@ -105,9 +112,9 @@ def _run(name, device, seed):
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_same_key_same_batch_and_state_on_every_backend(name, seed):
-  want = _run(name, jax.devices("cpu")[0], seed)
+  want = run_sequence(name, jax.devices("cpu")[0], seed)
   for device in ACCELERATORS:
-    got = _run(name, device, seed)
+    got = run_sequence(name, device, seed)
     assert len(got) == len(want)
     for i, ((op, g), (_, w)) in enumerate(zip(got, want)):
       assert_bit_identical(g, w, f"{device.platform} {name} seed {seed}, output {i} ({op})")

@@ -132,3 +132,24 @@ def test_a_heap_sample_in_a_scan_sorts_no_table_sized_array():
   assert any(f"[{b}]" in line for line in sorts), sorts  # the B rows
   assert not any(f"[{cap}]" in line or f"[{cap}," in line for line in sorts), sorts
   assert hlo.text_counts(txt, cap)["conditional"] == 0
+
+
+@pytest.mark.parametrize("name", ["min-heap-queue", "stack"])  # 64- and 32-bit order keys
+def test_the_gpu_executor_runs_the_backend_oracles_sequences_alike(name, monkeypatch):
+  """The ordered specs of tests/core/test_backends.py (which compares the CPU with a GPU
+  where there is one) on the CPU, with ``first_eligible`` as the GPU lowers it
+  (``sort_first``) and as the CPU does: every batch and state bit-identical."""
+  from tests.core import test_backends as backends
+  from tests.helpers import assert_bit_identical
+  cpu = jax.devices("cpu")[0]
+  backends.programs.cache_clear()  # traced anew below, with each executor
+  want = backends.run_sequence(name, cpu, 0)
+  backends.programs.cache_clear()
+  monkeypatch.setattr(ordering, "first_eligible", ordering.sort_first)
+  try:
+    got = backends.run_sequence(name, cpu, 0)
+  finally:
+    backends.programs.cache_clear()
+  assert len(got) == len(want)
+  for i, ((op, g), (_, w)) in enumerate(zip(got, want)):
+    assert_bit_identical(g, w, f"{name}, output {i} ({op})")
