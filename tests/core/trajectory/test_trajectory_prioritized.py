@@ -209,5 +209,7 @@ def check_weight_tree(spec, state):
 def test_bench_trajectory_runs_small():
   from experiments import bench_trajectory
   rows, mems = bench_trajectory.measure((8,), 256, 1, 0.001)
-  assert len(rows) == 6 and all(r["ratio"] > 0 for r in rows)  # portable and native
+  # Portable and native on the CPU; off it native=True is the portable program (not rerun).
+  assert len(rows) == (6 if jax.default_backend() == "cpu" else 3), rows
+  assert all(r["ratio"] > 0 for r in rows)
   assert 1.0 <= mems[8]["ours"] < 1.1 and mems[8]["flashbax"] == pytest.approx(1.0, rel=0.01)
