@@ -48,3 +48,20 @@ def test_prioritized_step_copies_no_buffer_outside_the_rare_completion():
                     native=False)
   # One copy of the weight tree, inside the rare exact completion's branch (BUILD.md).
   assert _big_copies(scan_steps.table_prioritized_step(t, BATCH), t.init()) <= 1
+
+
+def test_gpu_profile_counts_a_programs_device_events(tmp_path):
+  """experiments/gpu_profile.py's reading of a ``jax.profiler`` trace, on the CPU (on a
+  GPU machine the same code reads the GPU's process): a traced call's events are found,
+  each with a name and a duration, and a 2-step scan of one fusion runs it twice."""
+  from experiments import gpu_profile
+
+  def fn(s, i0):
+    body = lambda c, _: (jnp.sin(c) * 2.0 + i0, None)  # noqa: E731
+    s = jax.lax.scan(body, s, None, length=2)[0]
+    return s, jnp.sum(s)
+
+  events = gpu_profile.profile(fn, jnp.ones((4096,)), jnp.float32(1.0), device="/host:CPU")
+  assert events and all(isinstance(us, float) and us >= 0 for _, _, us in events)
+  names = [ev for _, ev, _ in events]
+  assert any(names.count(n) >= 2 and "fusion" in n for n in names), sorted(set(names))
