@@ -10,6 +10,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,17 +33,20 @@ SMALL_KK = 12
 _PROGRAMS = {}
 
 
-def program(n_keys, kk):
-  if (n_keys, kk) not in _PROGRAMS:
-    _PROGRAMS[(n_keys, kk)] = jax.jit(
-        lambda gid, keys, take: grouped.first_by_group(gid, keys, take, kk))
-  return _PROGRAMS[(n_keys, kk)]
+def program(n_keys, kk, executor="first_by_group"):
+  """A jitted executor of the grouped selection: the radix select (``first_by_group``, the
+  CPU's beside the top-k stages) or the one sort (``sort_by_group``, a GPU's)."""
+  fn = getattr(grouped, executor)
+  if (n_keys, kk, executor) not in _PROGRAMS:
+    _PROGRAMS[(n_keys, kk, executor)] = jax.jit(lambda gid, keys, take: fn(gid, keys, take, kk))
+  return _PROGRAMS[(n_keys, kk, executor)]
 
 
+@pytest.mark.parametrize("executor", ["first_by_group", "sort_by_group"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.sampled_from(sorted(KINDS)), min_size=1, max_size=2),
        st.integers(0, 2**32 - 1), st.booleans())
-def test_first_by_group_matches_a_sort(kinds, seed, small_kk):
+def test_first_by_group_matches_a_sort(executor, kinds, seed, small_kk):
   rng = np.random.default_rng(seed)
   gid = rng.integers(0, K + 1, C).astype(np.int32)       # K: in no group
   keys = [KINDS[k][1](rng).astype(KINDS[k][0]) for k in kinds]
@@ -53,7 +57,7 @@ def test_first_by_group_matches_a_sort(kinds, seed, small_kk):
     kk = SMALL_KK
     while take.sum() > kk:
       take[np.argmax(take)] -= 1
-  ordered, start = program(len(keys), kk)(jnp.asarray(gid), tuple(map(jnp.asarray, keys)),
+  ordered, start = program(len(keys), kk, executor)(jnp.asarray(gid), tuple(map(jnp.asarray, keys)),
                                           jnp.asarray(take))
   ordered, start = np.asarray(ordered), np.asarray(start)
   assert ordered.shape == (kk,)
@@ -122,3 +126,37 @@ def test_select_by_many_groups_takes_each_groups_stalest(seed, n):
                      key=lambda s: (ver[s], key[s]))  # stalest, then oldest
     assert int(avail[g]) == len(members)
     assert [int(s) for s, q in zip(got, grp) if q == g and s >= 0] == members[:counts[g]]
+
+
+def _lowered_for_cuda(*args, default=None, **platforms):
+  """``lax.platform_dependent`` as a CUDA lowering picks (its ``cuda`` branch)."""
+  return platforms.get("cuda", default)(*args)
+
+
+@pytest.mark.parametrize("sampler", [fr.StalestFirst(), fr.Uniform()],
+                         ids=["stalest", "uniform"])
+@pytest.mark.parametrize("k", [grouped.TOPK_MAX_GROUPS, SELECT_K], ids=["top_k", "radix"])
+def test_select_by_as_a_gpu_lowers_it_returns_the_cpus_rows(sampler, k, monkeypatch):
+  """``select_by`` with the GPU's executor (one sort, ``sort_by_group``) against the
+  CPU's (the top-k stages up to ``TOPK_MAX_GROUPS`` groups, the radix select beyond),
+  on tables with ties, empty groups and more rows asked for than a group holds."""
+  spec = _SPEC.replace(sampler=sampler)
+  pure = fr.make_table(spec)
+
+  def select(state, counts, key):
+    return grouped.select_by(spec, state, "task", jnp.arange(k, dtype=jnp.int32) - 1, counts,
+                             batch_size=64, rng=key if isinstance(sampler, fr.Uniform) else None)
+
+  rng = np.random.default_rng(7)
+  for n in (5, 40):
+    state = jax.jit(pure.insert)(
+        pure.init(), {"x": jnp.zeros(40, jnp.int32)}, mask=jnp.arange(40) < n,
+        version=jnp.asarray(rng.integers(-3, 3, 40), jnp.int32),
+        metadata={"task": jnp.asarray(rng.integers(-1, k, 40), jnp.int32)})
+    args = (state, jnp.asarray(rng.integers(0, 6, k), jnp.int32), jax.random.PRNGKey(n))
+    want = jax.jit(select)(*args)
+    with monkeypatch.context() as m:
+      m.setattr(jax.lax, "platform_dependent", _lowered_for_cuda)
+      got = jax.jit(lambda *a: select(*a))(*args)  # a new function: traced anew
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

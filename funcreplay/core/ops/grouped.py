@@ -22,7 +22,10 @@ B rows; no ``[K, C]`` array is built for K > 4:
 
 On XLA:CPU the top-k stages are faster up to K = 4 (a tuned kernel against scatter-adds
 of ~1-3 ns per element), the radix select from K = 8 on (README "Rollout groups for LLM
-RL" has the timings).
+RL" has the timings). On a GPU neither: XLA:GPU sorts the table for each ``lax.top_k``
+and the host waits for the device at each of the select's conditions, so there the rows
+come from one sort of the table (``sort_by_group``, chosen when the program is lowered;
+compiled for an H200, K = 4: 109 -> 10 kernels, 9 -> 0 conditions, 5 -> 1 sorts).
 
 The order within a group is the sampler's: the deterministic selectors sort by their
 keys (``ordering.order_keys``); ``Uniform`` by random keys (a uniformly random subset,
@@ -246,6 +249,27 @@ def first_by_group(gid, keys, take, kk: int, *, unique_keys: bool = False):
   return jnp.where(jnp.arange(kk) < jnp.sum(take), ordered, c), jnp.cumsum(take) - take
 
 
+def sort_by_group(gid, keys, take, kk: int):
+  """``first_by_group``'s result by one sort of the table (O(C log C)): the slots by
+  (group, ``ascending_u32`` keys, slot), then each group's first ``take[g]`` gathered into
+  place. The executor off the CPU and the TPU (``select_by``): XLA:GPU lowers each
+  ``lax.top_k`` over the table to a sort of it, and every ``lax.cond`` of the radix
+  select (and the choice between the two) waits for the device to tell the host which
+  branch to launch."""
+  c = gid.shape[0]
+  k = take.shape[0]
+  slots = lax.sort((gid, *(ordering.ascending_u32(key) for key in keys),
+                    jnp.arange(c, dtype=jnp.int32)), num_keys=1 + len(keys))[-1]
+  size = jnp.zeros((k + 1,), jnp.int32).at[gid].add(1)[:k]
+  start, first = jnp.cumsum(take) - take, jnp.cumsum(size) - size
+  r = jnp.arange(kk, dtype=jnp.int32)
+  # Unrolled (log2 K steps): a ``while`` on a GPU waits for the device at every trip.
+  g = jnp.minimum(jnp.searchsorted(jnp.cumsum(take), r, side="right", method="scan_unrolled"),
+                  k - 1).astype(jnp.int32)
+  row = slots[jnp.clip(first[g] + r - start[g], 0, c - 1)]
+  return jnp.where(r < jnp.sum(take), row, c), start
+
+
 def select_by(spec: TableSpec, state: TableState, column, values, counts, *, batch_size: int,
               rng=None, version=None, where=None):
   """The rows of a grouped take / peek: up to ``counts[g]`` eligible items per group.
@@ -272,19 +296,24 @@ def select_by(spec: TableSpec, state: TableState, column, values, counts, *, bat
   kk = min(batch_size, c)
   radix = functools.partial(first_by_group, gid, keys, take, kk,
                             unique_keys=_unique_keys(spec, rng))
-  if k <= TOPK_MAX_GROUPS:
+
+  def on_cpu():  # and the TPU: the top-k stages or the radix select
+    if k > TOPK_MAX_GROUPS:
+      return radix()
     scores, fits = _float_scores(keys, eligible)
 
     def top_k():
       ordered, start = _top_by_group(gid, scores, take, kk)
       return ordered[:kk], start  # the rows are the first sum(take) <= kk
 
-    ordered, start = lax.cond(fits, top_k, radix)
-  else:
-    ordered, start = radix()
+    return lax.cond(fits, top_k, radix)
+
+  by_sort = functools.partial(sort_by_group, gid, keys, take, kk)
+  ordered, start = lax.platform_dependent(cuda=by_sort, rocm=by_sort, default=on_cpu)
   req_end = jnp.cumsum(counts)
   r = jnp.arange(batch_size, dtype=jnp.int32)
-  group = jnp.searchsorted(req_end, r, side="right").astype(jnp.int32)  # K past the end
+  group = jnp.searchsorted(req_end, r, side="right",  # K past the end; unrolled, as above
+                           method="scan_unrolled").astype(jnp.int32)
   g = jnp.minimum(group, k - 1)
   j = r - (req_end[g] - counts[g])
   ok = (group < k) & (j < available[g])
