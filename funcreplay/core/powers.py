@@ -206,3 +206,32 @@ def positive(priority, alpha: float):
     bits = lax.bitcast_convert_type(jnp.asarray(priority, jnp.float32), jnp.int32)
     return bits > 0
   return power(priority, alpha) > 0
+
+
+def race_keys(bits, weight):
+  """float32 ``-log2(u) / weight``: exponential races for a weighted draw without
+  replacement (the smallest keys; Efraimidis & Spirakis), the same bits on every backend.
+
+  ``u = 1 - f`` in ``[2**-23, 1]`` from the top 23 of the uint32 ``bits`` (``f`` on a
+  2**-23 grid: both steps exact); ``-log2(u) = -e - L / 2**32`` from step 1's integer
+  ``log2`` of ``u = 2**e m``, subtracted in integers (``-log2 u`` Q.32 in two words: no
+  cancellation for ``u`` near 1) and rounded to float32 (error: ``L``'s, ~2**-32
+  absolute); the division correctly rounded (``fixedpoint.divide``). ``jnp.log`` differs
+  between XLA:CPU and XLA:GPU, and ``jax.random.uniform``'s ``x * (max - min) + min`` may
+  become one fused multiply-add on a GPU. ``weight`` float32 ``>= 0`` (0: inf, never
+  first); the keys' order is the natural log's (a constant factor); ``bits`` and
+  ``weight`` broadcast.
+  """
+  one = np.float32(1).view(np.uint32)
+  f = lax.bitcast_convert_type((jnp.asarray(bits, jnp.uint32) >> 9) | _u32(one),
+                               jnp.float32) - 1.0
+  x = lax.bitcast_convert_type(1.0 - f, jnp.uint32)  # u, a normal float in [2**-23, 1]
+  whole = 127 - (x >> 23).astype(jnp.int32)  # -floor(log2 u), in [0, 23]
+  frac = _log2_fraction(x, constants())  # log2(mantissa) Q.32: -log2 u = whole - frac/2**32
+  # whole * 2**32 - frac = hi * 2**32 + lo: a borrow from ``whole`` when frac > 0.
+  hi = (whole - (frac > 0).astype(jnp.int32)).astype(jnp.float32)  # exact (< 2**5)
+  lo = (_u32(0) - frac).astype(jnp.float32) * np.float32(2.0**-32)  # one rounding, exact scale
+  neg_log2 = hi + lo  # < 24: one more rounding (a product by 2**-32 is exact, so an FMA is too)
+  w = jnp.asarray(weight, jnp.float32)
+  return jnp.where(w > 0, fixedpoint.divide(neg_log2, jnp.maximum(w, numerics.TINY)),
+                   jnp.float32(np.inf))

@@ -118,3 +118,35 @@ def test_same_key_same_batch_and_state_on_every_backend(name, seed):
     assert len(got) == len(want)
     for i, ((op, g), (_, w)) in enumerate(zip(got, want)):
       assert_bit_identical(g, w, f"{device.platform} {name} seed {seed}, output {i} ({op})")
+
+
+def grouped_takes(sampler, device, seed):
+  """Grouped selections (``select_by``: a take / peek of 5 tasks) of a table of
+  ``sampler`` with tasks, versions and priorities drawn by ``seed``, on ``device``."""
+  from funcreplay.core.ops import grouped
+  spec = fr.TableSpec(CAP, ITEM, sampler=sampler, metadata=("task",))
+  t = fr.make_table(spec, native=False)
+  put = functools.partial(jax.device_put, device=device)
+  rs = np.random.default_rng(seed)
+  n = 50
+  state = jax.jit(t.insert)(
+      put(t.init()), put(items_from_ids(np.arange(n))),
+      version=put(jnp.asarray(rs.integers(-3, 3, n), jnp.int32)),
+      priority=put(jnp.asarray(rs.choice([0.0, 0.3, 1.0, 7.5], n), jnp.float32)),
+      metadata={"task": put(jnp.asarray(rs.integers(0, 5, n), jnp.int32))})
+  random = isinstance(sampler, (fr.Uniform, fr.Prioritized))
+  select = jax.jit(lambda s, counts, key: grouped.select_by(
+      spec, s, "task", jnp.arange(5, dtype=jnp.int32), counts, batch_size=32,
+      rng=key if random else None))
+  return [jax.device_get(select(state, put(jnp.asarray(rs.integers(0, 9, 5), jnp.int32)),
+                                put(jax.random.PRNGKey(i)))) for i in range(4)]
+
+
+@pytest.mark.parametrize("sampler", [fr.Prioritized(0.6), fr.Uniform(), fr.StalestFirst()],
+                         ids=["prioritized", "uniform", "stalest"])
+def test_grouped_takes_are_the_same_on_every_backend(sampler):
+  """A GPU selects each group's rows by one sort (``grouped.sort_by_group``), the CPU by
+  top-k stages; a prioritized take's exponential races use ``powers.race_keys``."""
+  want = grouped_takes(sampler, jax.devices("cpu")[0], 0)
+  for device in ACCELERATORS:
+    assert_bit_identical(grouped_takes(sampler, device, 0), want, f"{device.platform} take")

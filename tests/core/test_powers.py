@@ -98,3 +98,27 @@ def test_tables_are_the_correctly_rounded_values():
   np.testing.assert_allclose(recip_m / 2**32, 1 / m, rtol=0, atol=2**-32)
   np.testing.assert_allclose(exp2_j / 2**30, 2 ** (i / len(i)), rtol=0, atol=2**-30)
   assert c["third"] == round(2**32 / 3) and c["sixth"] == round(2**32 / 6)
+
+
+def test_race_keys_are_minus_log2_u_over_the_weight():
+  """``race_keys``: ``-log2(u) / w`` with ``u = 1 - top23(bits) / 2**23``, within 1e-6
+  relative (float32 roundings) plus 2**-30 / w (the integer log2's error) of float64, over
+  random and edge bits and weights; weight 0 gives inf, ``u = 1`` gives 0, and the keys
+  fall as ``u`` grows."""
+  rng = np.random.default_rng(3)
+  bits = np.concatenate([rng.integers(0, 2**32, 20000, dtype=np.uint32),
+                         np.uint32([0, 511, 512, 2**31, 2**32 - 512, 2**32 - 1])])
+  w = np.concatenate([np.exp(rng.uniform(-60, 60, 20000)).astype(np.float32),
+                      np.float32([1.0, 1.0, 3.0, 1e-30, 2.5, 7.0])])
+  got = np.asarray(jax.jit(powers.race_keys)(bits, w))
+  u = 1.0 - (bits >> 9).astype(np.float64) / 2**23
+  want = -np.log2(u) / w.astype(np.float64)
+  # The integer log2's own error (~2**-32 absolute in -log2 u) shows where u is near 1.
+  err = np.abs(got - want)
+  assert (err <= 1e-6 * want + 2.0**-30 / w).all(), np.max(err / want)
+  assert got[-6] == 0.0 and got[-5] == 0.0  # bits < 512: u = 1
+  zero_w = np.asarray(jax.jit(powers.race_keys)(bits[:4], np.float32([0, 0, 1, 0])))
+  assert np.isinf(zero_w[[0, 1, 3]]).all() and np.isfinite(zero_w[2])
+  ordered = np.sort(rng.integers(0, 2**32, 5000, dtype=np.uint32))
+  keys = np.asarray(jax.jit(powers.race_keys)(ordered, np.float32(1.0)))
+  assert (np.diff(keys) >= 0).all()  # larger bits: smaller u, larger -log2(u)

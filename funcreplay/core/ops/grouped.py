@@ -29,8 +29,9 @@ compiled for an H200, K = 4: 109 -> 10 kernels, 9 -> 0 conditions, 5 -> 1 sorts)
 
 The order within a group is the sampler's: the deterministic selectors sort by their
 keys (``ordering.order_keys``); ``Uniform`` by random keys (a uniformly random subset,
-in random order); ``Prioritized`` by exponential races ``-log(u) / w`` (the k smallest
-are a weighted draw without replacement, successive sampling: Efraimidis & Spirakis).
+in random order); ``Prioritized`` by exponential races ``-log2(u) / w`` (the k smallest
+are a weighted draw without replacement, successive sampling: Efraimidis & Spirakis;
+``powers.race_keys``, the same bits on every backend).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import indexes, ordering, storage
+from funcreplay.core import indexes, ordering, powers, storage
 from funcreplay.core import selectors as sel
 from funcreplay.core.ops.queries import eligible_mask
 from funcreplay.core.ops.remove import delete
@@ -110,10 +111,9 @@ def _order(spec: TableSpec, state: TableState, rng):
   if rng is None:
     return ordering.order_keys(sel.Fifo(), state)
   c = state.occupied.shape[0]
-  if spec.prioritized:
+  if spec.prioritized:  # exponential races: the same keys on every backend (powers)
     w = indexes.sample_weight(spec, state.occupied, state.priority)
-    u = jax.random.uniform(rng, (c,), jnp.float32, minval=jnp.finfo(jnp.float32).tiny)
-    return (-jnp.log(u) / w,)  # w = 0: inf (such items are not eligible anyway)
+    return (powers.race_keys(jax.random.bits(rng, (c,), jnp.uint32), w),)  # w = 0: inf
   return (jax.random.bits(rng, (c,), jnp.uint32),)
 
 
