@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import fixedpoint, indexes, inplace, trees
+from funcreplay.core import fixedpoint, indexes, inplace, powers, trees
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -210,23 +210,26 @@ def restore_zeroed(spec: TableSpec, state: TableState, zeroed, tree_field: str) 
 
 
 def _complete(spec, key, n, replace, weights_fn, picked):
-  """Rows ``n..B-1`` of ``picked`` by an O(C) Gumbel-top-k (or categorical draws with
+  """Rows ``n..B-1`` of ``picked`` by O(C) exponential races (or categorical draws with
   replacement) over ``weights_fn() -> (float32[C] weights, bool[C] eligible)``.
 
   The rounds of draws ran out (heavy masks); this is the same distribution,
-  only slower.
+  only slower. (The categorical draws, ``jnp.log`` and Gumbel noise, are not the same
+  bits on every backend; the races are.)
   """
   b = picked.shape[0]
   weights, eligible = weights_fn()
   ok = eligible & (weights > 0)
-  logits = jnp.where(ok, jnp.log(jnp.where(ok, weights, 1.0)), -jnp.inf)
   pos = jnp.arange(b) - n
   if replace:
+    logits = jnp.where(ok, jnp.log(jnp.where(ok, weights, 1.0)), -jnp.inf)
     draws = jax.random.categorical(key, logits, shape=(b,)).astype(jnp.int32)
     extra = jnp.where(jnp.any(ok), draws[jnp.clip(pos, 0, b - 1)], -1)
-  else:
+  else:  # exponential races, the k smallest: the same keys on every backend (powers)
     k = min(b, spec.capacity)
-    top_vals, top_slots = lax.top_k(logits + jax.random.gumbel(key, logits.shape), k)
+    race = powers.race_keys(jax.random.bits(key, weights.shape, jnp.uint32),
+                            jnp.where(ok, weights, 0.0))
+    top_vals, top_slots = lax.top_k(-race, k)
     top_slots = jnp.where(jnp.isfinite(top_vals), top_slots, -1)
     top_slots = jnp.concatenate([top_slots, jnp.full((b - k,), -1, jnp.int32)])
     extra = top_slots[jnp.clip(pos, 0, b - 1)]

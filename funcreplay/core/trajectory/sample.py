@@ -16,8 +16,9 @@ Three programs, chosen statically:
 * **General** (any mask): the eligibility mask
   over the ``N`` windows, then an exact draw: uniform by the ``x``-th
   eligible window of a count tree built over it, prioritized without
-  replacement by Gumbel-top-k over ``log w`` (exactly successive sampling
-  proportional to ``w = priority**alpha``), with replacement by i.i.d.
+  replacement by exponential races ``-log2(u) / w`` (the smallest B: exactly successive
+  sampling proportional to ``w = priority**alpha``; ``powers.race_keys``, the same keys on
+  every backend), with replacement by i.i.d.
   descents of a weight tree built over it. O(N) per call.
 
 The positions ``x`` are ``uniform_lean.positions``: without replacement the
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import bits, fixedpoint, inplace, numerics, staleness, trees
+from funcreplay.core import bits, fixedpoint, inplace, numerics, powers, staleness, trees
 from funcreplay.core import counters as ctr
 from funcreplay.core.inplace import materialize
 from funcreplay.core.sampling import exact
@@ -132,9 +133,11 @@ def _prioritized(spec, state, rng, b, replace, ok):
     valid = jnp.broadcast_to(total > 0, (b,))
   else:
     total = jnp.sum(w)
-    logits = jnp.where(w > 0, jnp.log(jnp.maximum(w, numerics.TINY)), -jnp.inf)
+    # Exponential races, the k smallest (the law of Gumbel-top-k over log w; the same
+    # keys on every backend, powers.race_keys): weight 0 races at inf, never taken.
+    race = powers.race_keys(jax.random.bits(rng, w.shape, jnp.uint32), w)
     k = min(b, spec.num_windows)
-    vals, top = lax.top_k(logits + jax.random.gumbel(rng, logits.shape), k)
+    vals, top = lax.top_k(-race, k)
     pad = b - k
     slot = jnp.concatenate([top, jnp.zeros((pad,), jnp.int32)])
     valid = jnp.concatenate([jnp.isfinite(vals), jnp.zeros((pad,), bool)])

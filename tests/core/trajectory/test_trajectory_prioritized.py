@@ -213,3 +213,32 @@ def test_bench_trajectory_runs_small():
   assert len(rows) == (6 if jax.default_backend() == "cpu" else 3), rows
   assert all(r["ratio"] > 0 for r in rows)
   assert 1.0 <= mems[8]["ours"] < 1.1 and mems[8]["flashbax"] == pytest.approx(1.0, rel=0.01)
+
+
+def test_masked_prioritized_draw_follows_the_weights():
+  """A ``where`` mask takes the general program: exponential races over the eligible
+  windows (``powers.race_keys``). The first row of each batch is drawn in proportion to
+  ``priority**alpha`` among them (chi-square), and every row is eligible and distinct."""
+  spec = fr.TrajectorySpec(2, 8, 3, 1, X, sampler=fr.Prioritized(0.7))
+  table, state = filled(spec, 8)
+  ids = np.flatnonzero(np.asarray(table.eligible(state)))
+  _, b0 = table.sample(state, jax.random.key(0), batch_size=len(ids))
+  pr = np.linspace(0.5, 3.0, len(ids)).astype(np.float32)
+  rank = np.searchsorted(ids, np.asarray(b0.info.slot))
+  state = table.update_priorities(state, b0.info.slot, b0.info.key, jnp.asarray(pr[rank]))
+  where = np.zeros(spec.num_windows, bool)
+  where[ids[::2]] = True  # 6 of the 12 windows
+  allowed = ids[::2]
+  w = dict(zip(ids, pr.astype(np.float64) ** 0.7))
+
+  def draw(key):
+    return table.sample(state, key, batch_size=3, where=jnp.asarray(where))[1]
+
+  out = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.key(11), 6000))
+  slots = np.asarray(out.info.slot)
+  assert np.isin(slots, allowed).all() and np.asarray(out.valid).all()
+  assert all(len(set(r)) == 3 for r in slots.tolist())
+  counts = np.array([(slots[:, 0] == i).sum() for i in allowed])
+  want = np.array([w[i] for i in allowed])
+  p = sstats.chisquare(counts, want / want.sum() * counts.sum()).pvalue
+  assert p > P_MIN, f"masked prioritized chi-square p={p}"
