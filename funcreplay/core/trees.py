@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from funcreplay.core import inplace
+
 
 def depth(tree_size: int) -> int:
   return max(0, tree_size.bit_length() - 1)
@@ -86,7 +88,16 @@ def _recompute_top(tree, dense: int):
   if dense == 0:
     return tree
   base = tree[1 << dense: 2 << dense]
-  return lax.dynamic_update_slice_in_dim(tree, build_sum(base)[1:1 << dense], 1, 0)
+  top = build_sum(base)[1:1 << dense]
+  if top.dtype.itemsize == 4:
+    # Computed once (a reduction, which XLA never fuses into consumers), so that no later
+    # read of the top (a sample's ``tree[1]``) is re-fused into a read of the old tree
+    # that the update below must wait for: XLA:CPU in jax 0.11 copied the tree twice a
+    # step for it (a one-row prioritized insert, then a sample, in a scan; BUILD.md "On
+    # XLA:GPU (second measurements)" item 6). The same values.
+    top = lax.bitcast_convert_type(
+        inplace.materialize(lax.bitcast_convert_type(top, jnp.int32)), top.dtype)
+  return lax.dynamic_update_slice_in_dim(tree, top, 1, 0)
 
 
 # Levels recomputed per gather/scatter pair. Each array operation has a fixed
