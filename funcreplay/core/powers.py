@@ -62,6 +62,7 @@ INDEX_BITS = 8
 MAX_EXPONENT = 2.0**15
 
 _TINY_BITS = int(np.float32(numerics.TINY).view(np.uint32))
+_MIN_NORMAL_BITS = 0x00800000
 _MAX_FINITE_BITS = 0x7F7FFFFF
 _INF_BITS = 0x7F800000
 
@@ -209,18 +210,28 @@ def positive(priority, alpha: float):
 
 
 def race_keys(bits, weight):
-  """float32 ``-log2(u) / weight``: exponential races for a weighted draw without
-  replacement (the smallest keys; Efraimidis & Spirakis), the same bits on every backend.
+  """float32 ``-log2(u) / (weight * 2**-e)``: exponential races for a weighted draw
+  without replacement (the smallest keys; Efraimidis & Spirakis), the same bits on every
+  backend. ``e`` is the exponent of the largest weight, so the keys are those of
+  ``-log2(u) / weight`` times one power of two: the same order, and no key underflows
+  to 0 (which ``divide`` flushes; 91% of them for weights near 3e38) nor a small weight
+  clamps to ``TINY`` unless it is ``2**-100`` of the largest (then it races at ``TINY``,
+  still eligible, its chance negligible).
 
   ``u = 1 - f`` in ``[2**-23, 1]`` from the top 23 of the uint32 ``bits`` (``f`` on a
-  2**-23 grid: both steps exact); ``-log2(u) = -e - L / 2**32`` from step 1's integer
-  ``log2`` of ``u = 2**e m``, subtracted in integers (``-log2 u`` Q.32 in two words: no
+  2**-23 grid: both steps exact); ``-log2(u) = -e_u - L / 2**32`` from step 1's integer
+  ``log2`` of ``u = 2**e_u m``, subtracted in integers (``-log2 u`` Q.32 in two words: no
   cancellation for ``u`` near 1) and rounded to float32 (error: ``L``'s, ~2**-32
-  absolute); the division correctly rounded (``fixedpoint.divide``). ``jnp.log`` differs
-  between XLA:CPU and XLA:GPU, and ``jax.random.uniform``'s ``x * (max - min) + min`` may
-  become one fused multiply-add on a GPU. ``weight`` float32 ``>= 0`` (0: inf, never
-  first); the keys' order is the natural log's (a constant factor); ``bits`` and
-  ``weight`` broadcast.
+  absolute); the weights scaled by moving their exponents (integers); the division
+  correctly rounded (``fixedpoint.divide``). ``jnp.log`` differs between XLA:CPU and
+  XLA:GPU, and ``jax.random.uniform``'s ``x * (max - min) + min`` may become one fused
+  multiply-add on a GPU.
+
+  Args:
+    bits: uint32, ``weight``'s shape (or broadcast to it).
+    weight: float32 ``[N]``, all the race's weights: ``+inf`` races at 0 (first); 0,
+      negatives, NaN and denormals (compared as bits: a backend's flush-to-zero mode
+      does not matter) at ``inf``, never taken.
   """
   one = np.float32(1).view(np.uint32)
   f = lax.bitcast_convert_type((jnp.asarray(bits, jnp.uint32) >> 9) | _u32(one),
@@ -230,8 +241,14 @@ def race_keys(bits, weight):
   frac = _log2_fraction(x, constants())  # log2(mantissa) Q.32: -log2 u = whole - frac/2**32
   # whole * 2**32 - frac = hi * 2**32 + lo: a borrow from ``whole`` when frac > 0.
   hi = (whole - (frac > 0).astype(jnp.int32)).astype(jnp.float32)  # exact (< 2**5)
-  lo = (_u32(0) - frac).astype(jnp.float32) * np.float32(2.0**-32)  # one rounding, exact scale
+  lo = (_u32(0) - frac).astype(jnp.float32) * np.float32(2.0**-32)  # rounded once; exact scale
   neg_log2 = hi + lo  # < 24: one more rounding (a product by 2**-32 is exact, so an FMA is too)
-  w = jnp.asarray(weight, jnp.float32)
-  return jnp.where(w > 0, fixedpoint.divide(neg_log2, jnp.maximum(w, numerics.TINY)),
-                   jnp.float32(np.inf))
+  wb = lax.bitcast_convert_type(jnp.asarray(weight, jnp.float32), jnp.int32)
+  normal = (wb >= _MIN_NORMAL_BITS) & (wb < _INF_BITS)  # positive, normal, finite
+  top = jnp.max(jnp.where(normal, wb, _MIN_NORMAL_BITS)) >> 23  # the largest's biased exponent
+  biased = (wb >> 23) - top + 127  # each weight's exponent once the largest's is 0
+  scaled = jnp.maximum(jnp.where(biased >= 1, (biased << 23) | (wb & 0x7FFFFF), 0),
+                       _TINY_BITS)  # below TINY: TINY (positive floats order as their bits)
+  key = fixedpoint.divide(neg_log2, lax.bitcast_convert_type(scaled, jnp.float32))
+  key = jnp.where(normal, key, jnp.float32(np.inf))
+  return jnp.where(wb == _INF_BITS, jnp.float32(0.0), key)

@@ -100,25 +100,54 @@ def test_tables_are_the_correctly_rounded_values():
   assert c["third"] == round(2**32 / 3) and c["sixth"] == round(2**32 / 6)
 
 
+def _race_keys(bits, w):
+  return np.asarray(jax.jit(powers.race_keys)(np.asarray(bits, np.uint32),
+                                              np.asarray(w, np.float32)))
+
+
 def test_race_keys_are_minus_log2_u_over_the_weight():
-  """``race_keys``: ``-log2(u) / w`` with ``u = 1 - top23(bits) / 2**23``, within 1e-6
-  relative (float32 roundings) plus 2**-30 / w (the integer log2's error) of float64, over
-  random and edge bits and weights; weight 0 gives inf, ``u = 1`` gives 0, and the keys
-  fall as ``u`` grows."""
+  """``race_keys``: ``-log2(u) / (w 2**-e)`` with ``u = 1 - top23(bits) / 2**23`` and ``e``
+  the largest weight's exponent, within 1e-6 relative (float32 roundings) plus 2**-30 / w
+  (the integer log2's error) of float64, over random and edge bits and weights; weight 0
+  gives inf, ``u = 1`` gives 0, and the keys rise with the bits."""
   rng = np.random.default_rng(3)
   bits = np.concatenate([rng.integers(0, 2**32, 20000, dtype=np.uint32),
                          np.uint32([0, 511, 512, 2**31, 2**32 - 512, 2**32 - 1])])
-  w = np.concatenate([np.exp(rng.uniform(-60, 60, 20000)).astype(np.float32),
-                      np.float32([1.0, 1.0, 3.0, 1e-30, 2.5, 7.0])])
-  got = np.asarray(jax.jit(powers.race_keys)(bits, w))
+  w = np.concatenate([np.exp(rng.uniform(-60, 30, 20000)).astype(np.float32),
+                      np.float32([1.0, 1.0, 3.0, 1e-20, 2.5, 7.0])])
+  got = _race_keys(bits, w)
   u = 1.0 - (bits >> 9).astype(np.float64) / 2**23
-  want = -np.log2(u) / w.astype(np.float64)
+  scale = 2.0 ** -np.frexp(w.max())[1] * 2  # the largest weight's exponent to 0
+  ws = np.maximum(w.astype(np.float64) * scale, np.float32(numerics.TINY))  # below: TINY
+  want = -np.log2(u) / ws
   # The integer log2's own error (~2**-32 absolute in -log2 u) shows where u is near 1.
   err = np.abs(got - want)
-  assert (err <= 1e-6 * want + 2.0**-30 / w).all(), np.max(err / want)
+  assert (err <= 1e-6 * want + 2.0**-30 / ws).all(), np.max(err - 1e-6 * want)
   assert got[-6] == 0.0 and got[-5] == 0.0  # bits < 512: u = 1
-  zero_w = np.asarray(jax.jit(powers.race_keys)(bits[:4], np.float32([0, 0, 1, 0])))
+  zero_w = _race_keys(bits[:4], [0, 0, 1, 0])
   assert np.isinf(zero_w[[0, 1, 3]]).all() and np.isfinite(zero_w[2])
   ordered = np.sort(rng.integers(0, 2**32, 5000, dtype=np.uint32))
-  keys = np.asarray(jax.jit(powers.race_keys)(ordered, np.float32(1.0)))
-  assert (np.diff(keys) >= 0).all()  # larger bits: smaller u, larger -log2(u)
+  assert (np.diff(_race_keys(ordered, np.ones(5000))) >= 0).all()
+
+
+@pytest.mark.parametrize("weights,first", [
+    ([3e38, 3e38], 0.5),  # keys near 0: without the scaling 91% underflowed to 0 (a tie)
+    ([1e-31, 1e-33], 0.99),  # below TINY: without the scaling both raced at TINY
+    ([1.0, 3.0], 0.25)])
+def test_race_keys_pick_in_proportion_at_any_scale(weights, first):
+  """The first of two races is won in proportion to the weights, however large or small
+  (one power of two scales them all): 20,000 races, within 4 standard deviations."""
+  n = 20000
+  bits = np.random.default_rng(8).integers(0, 2**32, (n, 2), dtype=np.uint32)
+  keys = np.asarray(jax.jit(jax.vmap(lambda b: powers.race_keys(b, jnp.float32(weights))))(bits))
+  p = np.mean(keys[:, 0] < keys[:, 1])
+  assert abs(p - first) < 4 * np.sqrt(first * (1 - first) / n) + 1e-9, p
+
+
+def test_race_keys_odd_weights():
+  """inf races first (key 0); 0, negatives, NaN and denormals never (inf, compared as
+  bits); a weight 2**-100 of the largest or less races at TINY: still finite."""
+  w = np.float32([np.inf, 0.0, -1.0, np.nan, 1e-40, 1.0, 1e-35])
+  k = _race_keys(np.full(7, 2**31, np.uint32), w)
+  assert k[0] == 0.0 and np.isinf(k[1:5]).all() and np.isfinite(k[5:]).all()
+  assert k[6] > k[5]
