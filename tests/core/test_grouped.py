@@ -133,8 +133,8 @@ def _lowered_for_cuda(*args, default=None, **platforms):
   return platforms.get("cuda", default)(*args)
 
 
-@pytest.mark.parametrize("sampler", [fr.StalestFirst(), fr.Uniform()],
-                         ids=["stalest", "uniform"])
+@pytest.mark.parametrize("sampler", [fr.StalestFirst(), fr.Uniform(), fr.Prioritized(0.6)],
+                         ids=["stalest", "uniform", "prioritized"])
 @pytest.mark.parametrize("k", [grouped.TOPK_MAX_GROUPS, SELECT_K], ids=["top_k", "radix"])
 def test_select_by_as_a_gpu_lowers_it_returns_the_cpus_rows(sampler, k, monkeypatch):
   """``select_by`` with the GPU's executor (one sort, ``sort_by_group``) against the
@@ -145,13 +145,14 @@ def test_select_by_as_a_gpu_lowers_it_returns_the_cpus_rows(sampler, k, monkeypa
 
   def select(state, counts, key):
     return grouped.select_by(spec, state, "task", jnp.arange(k, dtype=jnp.int32) - 1, counts,
-                             batch_size=64, rng=key if isinstance(sampler, fr.Uniform) else None)
+                             batch_size=64, rng=None if spec.sampler == fr.StalestFirst() else key)
 
   rng = np.random.default_rng(7)
   for n in (5, 40):
     state = jax.jit(pure.insert)(
         pure.init(), {"x": jnp.zeros(40, jnp.int32)}, mask=jnp.arange(40) < n,
         version=jnp.asarray(rng.integers(-3, 3, 40), jnp.int32),
+        priority=jnp.asarray(rng.choice([0.0, 0.5, 2.0, 3e38], 40), jnp.float32),
         metadata={"task": jnp.asarray(rng.integers(-1, k, 40), jnp.int32)})
     args = (state, jnp.asarray(rng.integers(0, 6, k), jnp.int32), jax.random.PRNGKey(n))
     want = jax.jit(select)(*args)
