@@ -210,21 +210,24 @@ def restore_zeroed(spec: TableSpec, state: TableState, zeroed, tree_field: str) 
 
 
 def _complete(spec, key, n, replace, weights_fn, picked):
-  """Rows ``n..B-1`` of ``picked`` by O(C) exponential races (or categorical draws with
-  replacement) over ``weights_fn() -> (float32[C] weights, bool[C] eligible)``.
+  """Rows ``n..B-1`` of ``picked`` by O(C) exponential races (with replacement, i.i.d.
+  descents of a sum tree built over the weights) over ``weights_fn() -> (float32[C]
+  weights, bool[C] eligible)``.
 
   The rounds of draws ran out (heavy masks); this is the same distribution,
-  only slower. (The categorical draws, ``jnp.log`` and Gumbel noise, are not the same
-  bits on every backend; the races are.)
+  only slower. Both draws are the same bits on every backend (no ``jnp.log``, no Gumbel
+  noise: a categorical draw was not).
   """
   b = picked.shape[0]
   weights, eligible = weights_fn()
   ok = eligible & (weights > 0)
   pos = jnp.arange(b) - n
-  if replace:
-    logits = jnp.where(ok, jnp.log(jnp.where(ok, weights, 1.0)), -jnp.inf)
-    draws = jax.random.categorical(key, logits, shape=(b,)).astype(jnp.int32)
-    extra = jnp.where(jnp.any(ok), draws[jnp.clip(pos, 0, b - 1)], -1)
+  if replace:  # i.i.d. descents of a tree built over the weights (exact.successive)
+    from funcreplay.core.sampling import exact  # noqa: PLC0415 (exact imports this module)
+    p = spec.tree_size
+    leaves = jnp.zeros((p,), jnp.float32).at[:spec.capacity].set(jnp.where(ok, weights, 0.0))
+    draws = exact.successive(trees.build_sum(leaves), key, b, True, p)
+    extra = draws[jnp.clip(pos, 0, b - 1)]
   else:  # exponential races, the k smallest: the same keys on every backend (powers)
     k = min(b, spec.capacity)
     race = powers.race_keys(jax.random.bits(key, weights.shape, jnp.uint32),

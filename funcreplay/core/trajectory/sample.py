@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import bits, fixedpoint, inplace, numerics, powers, staleness, trees
 from funcreplay.core import counters as ctr
+from funcreplay.core import fixedpoint, inplace, numerics, powers, staleness, trees
 from funcreplay.core.inplace import materialize
 from funcreplay.core.sampling import exact
 from funcreplay.core.sampling.uniform_lean import kth_occupied, positions
@@ -47,8 +47,6 @@ from funcreplay.core.trajectory import index, prioritized, rows
 from funcreplay.core.trajectory import state as st
 from funcreplay.core.trajectory.spec import TrajectorySpec
 from funcreplay.core.trajectory.state import TrajectoryState
-
-_U24 = 2.0**-24  # resolution of a float32 uniform in [0, 1) from 24 random bits
 
 
 def masked(spec: TrajectorySpec, *, version=None, where=None) -> bool:
@@ -127,10 +125,12 @@ def _prioritized(spec, state, rng, b, replace, ok):
   if replace:
     tree = trees.build_sum(_padded(w, spec.tree_size))
     total = tree[1]
-    hi, _ = bits.words(rng, b)
-    u = (hi >> 8).astype(jnp.float32) * jnp.float32(_U24)
-    slot = jnp.minimum(trees.descend_weight(tree, u * total), spec.num_windows - 1)
-    valid = jnp.broadcast_to(total > 0, (b,))
+    # I.i.d. descents with the targets materialized (``exact.successive``): ``u * total``
+    # fused into the descent's first subtraction may become one fused multiply-add on a
+    # GPU, and the same key would descend elsewhere there.
+    picked = exact.successive(tree, rng, b, True, spec.tree_size)
+    slot = jnp.clip(picked, 0, spec.num_windows - 1)
+    valid = picked >= 0
   else:
     total = jnp.sum(w)
     # Exponential races, the k smallest (the law of Gumbel-top-k over log w; the same

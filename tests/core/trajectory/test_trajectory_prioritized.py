@@ -217,8 +217,10 @@ def test_bench_trajectory_runs_small():
 
 def test_masked_prioritized_draw_follows_the_weights():
   """A ``where`` mask takes the general program: exponential races over the eligible
-  windows (``powers.race_keys``). The first row of each batch is drawn in proportion to
-  ``priority**alpha`` among them (chi-square), and every row is eligible and distinct."""
+  windows (``powers.race_keys``), or with replacement i.i.d. descents of a tree built over
+  them. The first row of each batch (every row, with replacement) is drawn in proportion
+  to ``priority**alpha`` among them (chi-square); every row is eligible, and distinct
+  without replacement."""
   spec = fr.TrajectorySpec(2, 8, 3, 1, X, sampler=fr.Prioritized(0.7))
   table, state = filled(spec, 8)
   ids = np.flatnonzero(np.asarray(table.eligible(state)))
@@ -231,14 +233,19 @@ def test_masked_prioritized_draw_follows_the_weights():
   allowed = ids[::2]
   w = dict(zip(ids, pr.astype(np.float64) ** 0.7))
 
-  def draw(key):
-    return table.sample(state, key, batch_size=3, where=jnp.asarray(where))[1]
-
-  out = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.key(11), 6000))
-  slots = np.asarray(out.info.slot)
-  assert np.isin(slots, allowed).all() and np.asarray(out.valid).all()
-  assert all(len(set(r)) == 3 for r in slots.tolist())
-  counts = np.array([(slots[:, 0] == i).sum() for i in allowed])
   want = np.array([w[i] for i in allowed])
-  p = sstats.chisquare(counts, want / want.sum() * counts.sum()).pvalue
-  assert p > P_MIN, f"masked prioritized chi-square p={p}"
+  for replace in (False, True):
+    def draw(key, replace=replace):
+      return table.sample(state, key, batch_size=3, where=jnp.asarray(where),
+                          replace=replace)[1]
+
+    out = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.key(11), 6000))
+    slots = np.asarray(out.info.slot)
+    assert np.isin(slots, allowed).all() and np.asarray(out.valid).all()
+    if not replace:
+      assert all(len(set(r)) == 3 for r in slots.tolist())
+    # Without replacement the first row; with it every row (i.i.d. descents).
+    drawn = slots.ravel() if replace else slots[:, 0]
+    counts = np.array([(drawn == i).sum() for i in allowed])
+    p = sstats.chisquare(counts, want / want.sum() * counts.sum()).pvalue
+    assert p > P_MIN, f"masked prioritized chi-square (replace={replace}) p={p}"
