@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import fixedpoint, indexes, inplace, powers, trees
+from funcreplay.core import bits, fixedpoint, indexes, inplace, powers, trees
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -222,11 +222,18 @@ def _complete(spec, key, n, replace, weights_fn, picked):
   weights, eligible = weights_fn()
   ok = eligible & (weights > 0)
   pos = jnp.arange(b) - n
-  if replace:  # i.i.d. descents of a tree built over the weights (exact.successive)
-    from funcreplay.core.sampling import exact  # noqa: PLC0415 (exact imports this module)
+  if replace:
+    # I.i.d. descents of a tree built over the weights, as ``exact.successive`` draws with
+    # replacement (stream 0's 24-bit uniforms, the targets materialized so that no backend
+    # fuses ``u * total`` into the descent's first subtraction).
     p = spec.tree_size
-    leaves = jnp.zeros((p,), jnp.float32).at[:spec.capacity].set(jnp.where(ok, weights, 0.0))
-    draws = exact.successive(trees.build_sum(leaves), key, b, True, p)
+    tree = trees.build_sum(jnp.zeros((p,), jnp.float32).at[:spec.capacity].set(
+        jnp.where(ok, weights, 0.0)))
+    hi, _ = bits.words(key, b)
+    u = (hi >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+    targets = lax.bitcast_convert_type(
+        inplace.materialize(lax.bitcast_convert_type(u * tree[1], jnp.int32)), jnp.float32)
+    draws = jnp.where(tree[1] > 0, trees.descend_weight(tree, targets), -1)
     extra = draws[jnp.clip(pos, 0, b - 1)]
   else:  # exponential races, the k smallest: the same keys on every backend (powers)
     k = min(b, spec.capacity)
