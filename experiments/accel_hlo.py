@@ -41,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import funcreplay as fr  # noqa: E402
+from experiments import bench_scan_queue as queue  # noqa: E402
 from experiments import scan_steps  # noqa: E402
 from experiments.timing import example  # noqa: E402
 from funcreplay.core import hlo  # noqa: E402
@@ -129,6 +130,15 @@ def programs(fbx, device: str = "gpu"):
   pbuf = fbx.make_prioritised_item_buffer(max_length=CAPACITY, min_length=1,
                                           sample_batch_size=scan_steps.SMP, add_batches=True,
                                           priority_exponent=0.6, device=device)
+  # Reverb's queue (bench_scan_queue.py: C = 65,536, take 64 then insert 64 a step).
+  qxs = rows(queue.STEPS, queue.BATCH)
+  fq = queue.flashbax_queue(fbx)
+  qstate = jax.eval_shape(lambda: fq.init(example()))
+  for label, holes in (("", True), (", holes=False", False)):
+    qt = fr.make_table(fr.queue(queue.CAPACITY, example(), holes=holes), native=False)
+    out["queue (C = 65,536) take 64 + insert 64" + label] = (
+        (queue.table_step(qt, False), jax.eval_shape(qt.init), i0, qxs),
+        (queue.flashbax_step(fq, False), qstate, i0, qxs))
   out["prioritized sample 256 + update"] = (
       (scan_steps.table_prioritized_step(pt), jax.eval_shape(pt.init), i0),
       (scan_steps.flashbax_prioritized_step(pbuf), jax.eval_shape(lambda: pbuf.init(example())),
@@ -156,7 +166,7 @@ def main(argv):
       (ops, c, cyc), (fops, fc, fcyc) = counted
       n, fn_ = len(ops), len(fops)
       # Loops inside a step (beside the scan's own): each runs its body's ops per trip.
-      print(f"  {case:<44} ours {n:3d}  flashbax {fn_:3d}  ratio {n / fn_:4.2f}  "
+      print(f"  {case:<52} ours {n:3d}  flashbax {fn_:3d}  ratio {n / fn_:4.2f}  "
             + (f"cycles {cyc:,} / {fcyc:,} ({cyc / fcyc:.2f})  " if tpu else "")
             + f"conditionals {c['conditional']} / {fc['conditional']}  "
             f"loops in a step {c['while'] - 1} / {fc['while'] - 1}  "

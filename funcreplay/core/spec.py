@@ -53,16 +53,21 @@ class TableSpec:
       ``"rows"`` when every leaf is 4 bytes wide and there are two or more, else
       ``"columns"`` (``funcreplay.core.storage``). A layout only: batches and
       checkpoints are the same either way.
-    holes: whether an item may leave the table other than by the ``Fifo`` ring
-      overwriting it (``delete``, ``evict_stale``, a grouped take, ``max_times_sampled``,
-      a remover other than the ring). ``False`` is a static promise that none of those
-      happens, so the stored items are always the last ``size`` slots written, in ring
-      order; the uniform sample then maps a position to its slot by ring arithmetic
-      instead of descending the occupancy tree (BUILD.md finding 23: ~30% of an
-      in-scan uniform step). Needs the ``Fifo()`` ring remover and no
-      ``max_times_sampled``; ``delete`` and ``evict_stale`` raise, and a checkpoint
-      restores into such a spec only if its items are a ring window. Default ``True``
-      (every operation allowed). A flashbax buffer is a table of this kind.
+    holes: whether an item may leave the table other than from its oldest end: the
+      ``Fifo`` ring overwriting it, or (Reverb's queue, ``fr.queue(..., holes=False)``)
+      an unmasked sample of the ``Fifo`` sampler using it up (``max_times_sampled``).
+      ``False`` is a static promise that nothing else removes an item (``delete``,
+      ``evict_stale``, a grouped take, a masked sample using an item up, a remover other
+      than the ring), so the stored items are always the last ``size`` slots written, in
+      ring order; the uniform sample then maps a position to its slot, and the Fifo /
+      Lifo sample its ``i``-th item, by ring arithmetic instead of descending the
+      occupancy tree (BUILD.md findings 23 and 30: ~30% of an in-scan uniform step).
+      Needs the ``Fifo()`` ring remover, and ``max_times_sampled`` only with the
+      ``Fifo()`` sampler and no ``max_staleness`` (a Fifo sample uses items up oldest
+      first: reuse counts never grow from the oldest item to the newest); ``delete``,
+      ``evict_stale`` and those removals raise when traced, and a checkpoint restores
+      into such a spec only if its items are a ring window (with those counts). Default
+      ``True`` (every operation allowed). A flashbax buffer is a table of this kind.
   """
 
   capacity: int
@@ -129,9 +134,14 @@ class TableSpec:
     if not holes and not sel.is_ring(remover):
       raise ValueError(f"TableSpec(holes=False) needs the Fifo() ring remover (a table without "
                        f"holes loses items only to the ring), got remover={remover!r}.")
-    if not holes and max_times_sampled:
-      raise ValueError("TableSpec(holes=False) cannot have max_times_sampled: an item used up "
-                       f"leaves a hole (got max_times_sampled={max_times_sampled}).")
+    if not holes and max_times_sampled and not (type(sampler) is sel.Fifo
+                                                and max_staleness is None):
+      raise ValueError(
+          "TableSpec(holes=False) can have max_times_sampled only with the Fifo() sampler and "
+          "no max_staleness (its unmasked samples use items up oldest first, so the items "
+          "stay the last ones written; any other sampler's used-up item leaves a hole), got "
+          f"sampler={sampler!r}, max_staleness={max_staleness!r}, "
+          f"max_times_sampled={max_times_sampled}.")
     signature, ragged = _split_ragged(signature)
     sig = as_signature(signature)
     storage = storage_lib.resolve(sig, storage, bool(ragged))

@@ -30,7 +30,8 @@ invariant that does not hold:
   occupied slots (an item reaching it is removed);
 * ``write_pos``: in ``[0, capacity)``;
 * ``occupied`` of a table without holes (``TableSpec.holes`` False): exactly the
-  ``size`` slots written last before ``write_pos`` (``holes_error``);
+  ``size`` slots written last before ``write_pos``, and with ``max_times_sampled``
+  their reuse counts non-increasing from the oldest to the newest (``holes_error``);
 * ``version_hist`` / ``version_bounds`` (``max_staleness``): the histogram
   of the occupied versions in the window ``(hi - V, hi]``, the count of the
   older ones, no item newer than ``hi``, ``old_min`` at most their minimum.
@@ -178,11 +179,25 @@ def holes_error(spec: TableSpec, state) -> str:
     c, n = occ.shape[0], int(occ.sum())
     want = np.zeros(c, bool)
     want[(int(wp) - n + np.arange(n)) % c] = True
+    where = f"shard {s}: " if occupied.ndim > 1 else ""
     if not np.array_equal(occ, want):
-      where = f"shard {s}: " if occupied.ndim > 1 else ""
       return (f"{where}its {n} items are not the last {n} slots written before write_pos "
               f"{int(wp)} (a delete, eviction or reuse limit left holes), so it cannot "
               "restore into a TableSpec(holes=False); restore with holes=True")
+    if spec.max_times_sampled:
+      # A Fifo sample uses items up oldest first only while the reuse counts never grow
+      # from the oldest item to the newest (TableSpec.holes); a masked sample in a table
+      # with holes may have left a newer item with more uses than an older one.
+      ring = (int(wp) - n + np.arange(n)) % c  # oldest first
+      counts = np.asarray(state.times_sampled).reshape(-1, c)[s][ring]
+      grew = np.flatnonzero(np.diff(counts) > 0)
+      if grew.size:
+        i = int(grew[0])
+        return (f"{where}its item {i + 1} from the oldest has been sampled "
+                f"{int(counts[i + 1])} times, more than the older item {i} "
+                f"({int(counts[i])}), so a Fifo sample could use it up first and leave a "
+                "hole: it cannot restore into a TableSpec(holes=False) with "
+                "max_times_sampled; restore with holes=True")
   return ""
 
 

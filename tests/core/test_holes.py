@@ -1,6 +1,7 @@
 """Tables without holes (``TableSpec(holes=False)``, BUILD.md finding 23).
 
-The promise: items leave only when the ``Fifo`` ring overwrites them, so the stored
+The promise: items leave only when the ``Fifo`` ring overwrites them (or, in Reverb's
+queue, an unmasked Fifo sample uses them up: tests/core/test_queue_ring.py), so the stored
 items are always the ``size`` slots written last and the uniform sample maps position
 ``x`` to slot ``(write_pos - size + x) mod C`` (``uniform_lean.ring_slot``) instead of
 descending the occupancy tree. Checked here: the spec refuses what would break the

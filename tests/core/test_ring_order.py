@@ -1,7 +1,8 @@
 """Fifo / Lifo sampling from a ring (``sampling.ring_order``): the order read off the ring
 is the general program's sort by age, slot for slot, over random histories of inserts
-(masked rows too), deletes and samples that use items up; and a queue's sample then
-insert in a scan sorts nothing and copies no column."""
+(masked rows too), deletes and samples that use items up; its lean sample leaves the
+general program's state and batch for those slots; and a queue's sample then insert in
+a scan sorts nothing and copies no column."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hypothesis import given, settings
 import funcreplay as fr
 from funcreplay.core import hlo, ordering, trees
 from funcreplay.core.sampling import ring_order
+from funcreplay.core.sampling.finish import finish as general_finish
 
 ITEM = {"x": np.zeros((), np.int32)}
 
@@ -53,6 +55,9 @@ def _programs(lifo: bool, capacity: int, max_times: int):
       sample=jax.jit(lambda s, k, m: t.sample(s, k, batch_size=capacity, where=m)[0]),
       sample_all=jax.jit(lambda s, k: t.sample(s, k, batch_size=3)[0]),
       pick=jax.jit(lambda s: ring_order.pick(spec, s, capacity)),
+      lean=jax.jit(lambda s: ring_order.sample(spec, s, None, batch_size=3)),
+      general=jax.jit(lambda s: general_finish(spec, s, ring_order.pick(spec, s, 3)[0],
+                                               jnp.ones(3, jnp.float32), s.size, None, False)),
       by_sort=jax.jit(lambda s: ordering.sorted_eligible(spec.sampler, s, s.occupied)))
 
 
@@ -62,7 +67,8 @@ def _programs(lifo: bool, capacity: int, max_times: int):
 @given(ops=_history())
 def test_the_ring_order_is_the_sorted_order(lifo, capacity, max_times, ops):
   f = _programs(lifo, capacity, max_times)
-  assert ring_order.applies(f["spec"], masked=False)
+  assert ring_order.applies(f["spec"])
+  assert not ring_order.applies(f["spec"], where=jnp.ones(capacity, bool))
   s, n = f["init"](), 0
   for op in ops:
     if op[0] == "insert":
@@ -73,7 +79,14 @@ def test_the_ring_order_is_the_sorted_order(lifo, capacity, max_times, ops):
     elif op[0] == "delete":
       s = f["delete"](s, jnp.asarray(op[1] + [0] * (3 - len(op[1])), jnp.int32) % capacity)
     elif op[1] == 1:  # an unmasked sample: this program's order (uses up the first rows)
+      (want, want_smp), (got, smp) = f["general"](s), f["lean"](s)
+      for (path, a), b in zip(jax.tree_util.tree_flatten_with_path((got, smp))[0],
+                              jax.tree_util.tree_leaves((want, want_smp))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                      err_msg=jax.tree_util.keystr(path))
       s = f["sample_all"](s, jax.random.PRNGKey(n))
+      for a, b in zip(jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     else:
       # A masked sample (the sort) uses up (max_times) the rows it returns: holes anywhere.
       where = np.arange(capacity) % op[1] == 0

@@ -197,7 +197,8 @@ def _scan_case_checks():
 
   def queue(out):
     for kind in bench_scan_queue.KINDS:
-      assert re.search(rf"queue +{kind} +portable .* ratio +[0-9.]+x", out), (kind, out)
+      for name in ("portable", "ring"):
+        assert re.search(rf"queue +{kind} +{name} .* ratio +[0-9.]+x", out), (kind, name, out)
 
   def ordered(out):
     for kind in bench_scan_ordered.KINDS:

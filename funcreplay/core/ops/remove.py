@@ -49,8 +49,9 @@ def require_holes(spec: TableSpec, what: str) -> None:
   would leave a hole in a table that promised to have none (``TableSpec.holes``)."""
   if not spec.holes:
     raise ValueError(f"{what}: the table was made with TableSpec(holes=False), so items leave "
-                     "it only when the ring overwrites them; build it with holes=True (the "
-                     "default) to delete or evict items.")
+                     "it only from its oldest end (the ring overwriting them, or an unmasked "
+                     "Fifo sample using them up); build it with holes=True (the default) to "
+                     "delete or evict items, or to use items up in a masked sample.")
 
 
 def delete(spec: TableSpec, state: TableState, slots, keys) -> TableState:

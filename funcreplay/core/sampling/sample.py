@@ -163,10 +163,11 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
 def lean_program(spec: TableSpec, *, version=None, where=None, stratified: bool = False):
   """The lean portable sample program for these static arguments, or None.
 
-  ``uniform_lean.sample`` / ``prioritized_lean.sample`` (BUILD.md "Lean
-  portable programs") when their ``applies`` holds (a Uniform sampler, no ``where``
-  or staleness mask, any reuse limit; a Prioritized one, no mask,
-  ``max_times_sampled == 0``) and the draw is not ``stratified``; they honour the
+  ``uniform_lean.sample`` / ``prioritized_lean.sample`` / ``ring_order.sample``
+  (BUILD.md "Lean portable programs") when their ``applies`` holds (a Uniform sampler,
+  no ``where`` or staleness mask, any reuse limit; a Prioritized one, no mask,
+  ``max_times_sampled == 0``; a Fifo or Lifo one on the ring without masks) and the
+  draw is not ``stratified``; they honour the
   same contract as the general program (valid mask, probabilities,
   ``times_sampled``, counters, used-up items freed) with different random draws
   (the uniform one; the prioritized draw is the general program's). Everything
@@ -174,7 +175,7 @@ def lean_program(spec: TableSpec, *, version=None, where=None, stratified: bool 
   """
   if stratified:
     return None
-  for program in (uniform_lean, prioritized_lean):
+  for program in (uniform_lean, prioritized_lean, ring_order):
     if program.applies(spec, version=version, where=where):
       return program.sample
   return None
@@ -186,10 +187,7 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
   eligible_fn, eligible_all = eligibility(spec, state, ver, where)
 
   if sel.is_ordered(spec.sampler):
-    if ring_order.applies(spec, masked=masked):  # Fifo / Lifo from a ring: no sort
-      picked, num_eligible = ring_order.pick(spec, state, b)
-    else:
-      picked, num_eligible = ordering.first_eligible(spec.sampler, state, eligible_all(), b)
+    picked, num_eligible = ordering.first_eligible(spec.sampler, state, eligible_all(), b)
     prob = jnp.ones((b,), jnp.float32)
   else:
     # Totals are read before the draw, which updates the tree in place. XLA
