@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench bench-small bench-scan accel-hlo accel-copies setup clean
+.PHONY: demo test test-all bench bench-small bench-scan accel-hlo accel-copies accel-inplace setup clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -45,7 +45,8 @@ $(ACCEL_HLO_VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(ACCEL_HLO_VENV)
 	$(ACCEL_HLO_VENV)/bin/python -m pip install -q --upgrade pip
 	$(ACCEL_HLO_VENV)/bin/python -m pip install -q -c constraints.txt -e . flashbax==0.1.3 \
-	  jax-cuda13-plugin==0.10.2 jax-cuda13-pjrt==0.10.2 'libtpu==0.0.42.*'
+	  jax-cuda13-plugin==0.10.2 jax-cuda13-pjrt==0.10.2 'libtpu==0.0.42.*' \
+	  pytest hypothesis scipy
 	touch $@
 
 accel-hlo: $(ACCEL_HLO_VENV)/.installed
@@ -55,6 +56,12 @@ accel-hlo: $(ACCEL_HLO_VENV)/.installed
 # (experiments/accel_copies.py; exits 1 on a copy not listed as known).
 accel-copies: $(ACCEL_HLO_VENV)/.installed
 	$(ACCEL_HLO_VENV)/bin/python experiments/accel_copies.py --targets=cpu,h200
+
+# tests/core/test_inplace.py's copy checks with every program compiled for an H200
+# (experiments/accel_pytest.py; the portable programs: native ones do not run there).
+accel-inplace: $(ACCEL_HLO_VENV)/.installed
+	$(ACCEL_HLO_VENV)/bin/python -m pytest -q -p experiments.accel_pytest -k portable \
+	  tests/core/test_inplace.py
 
 clean:
 	rm -rf $(VENV) $(ACCEL_HLO_VENV) .pytest_cache .hypothesis

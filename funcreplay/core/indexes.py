@@ -58,7 +58,10 @@ def refresh(spec: TableSpec, state: TableState, slots, valid=None,
   occ_tree = state.occ_tree
   if spec.prioritized and count_zero and "weight_tree" in which:
     p = spec.tree_size
-    old_occ, old_w = occ_tree[p + safe], state.weight_tree[p + safe]
+    # Read once off the CPU: XLA:GPU re-fused these gathers into the count's reduction,
+    # not ordered before the trees' writes below, and copied both trees (a prioritized
+    # table's delete; experiments/accel_pytest.py). On the CPU the same program.
+    old_occ, old_w = inplace.once_off_cpu((occ_tree[p + safe], state.weight_tree[p + safe]))
     new_w = sample_weight(spec, occ, item_info.at(state.item_info, safe, "priority"))
     delta = (jnp.sum(valid & occ & (new_w <= 0), dtype=jnp.int32)
              - jnp.sum(valid & (old_occ > 0) & (old_w <= 0), dtype=jnp.int32))

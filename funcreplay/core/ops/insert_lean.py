@@ -106,10 +106,12 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
   keys = state.next_key + r.astype(jnp.uint32)
 
   old_occ = _take(state.occupied, slots, start)
-  if spec.max_times_sampled > 0 or sel.is_ordered(spec.sampler):
+  if (spec.max_times_sampled > 0 or sel.is_ordered(spec.sampler)
+      or spec.max_staleness is not None):
     # Read once off the CPU: where samples write ``occupied`` too (freeing used-up items;
-    # an ordered sampler's tie of every column), XLA:GPU re-fused this read into the
-    # occupancy tree's scatter and the victims' counts, not ordered before the write of
+    # an ordered sampler's tie of every column; a staleness-masked sample's, the general
+    # program's ``inplace.settle``), XLA:GPU re-fused this read into the occupancy
+    # tree's scatter and the victims' counts, not ordered before the write of
     # ``occupied`` below, and copied it twice a step in a scan of insert and sample
     # (experiments/accel_copies.py). Elsewhere one kernel for nothing.
     old_occ = inplace.once_off_cpu(old_occ)

@@ -24,7 +24,11 @@ def remove(spec: TableSpec, state: TableState, slots, mask, cause: str,
     require_holes(spec, f"removing items ({cause})")
   n = jnp.sum(mask).astype(jnp.uint32)
   if rows is None:
-    rows = item_info.unpack(take(state.item_info, slots))  # one read of the victims' rows
+    # One read of the victims' rows; once off the CPU: XLA:GPU re-fused the gather into
+    # the counters' update (a consumer not ordered before the write of item_info below
+    # or after this call), and copied item_info twice a row in the per-row insert loop of
+    # the non-ring removers (experiments/accel_pytest.py). On the CPU the same program.
+    rows = item_info.unpack(inplace.once_off_cpu(take(state.item_info, slots)))
     # The caller may overwrite these rows next (insert): order that after this read, and
     # after the reads behind ``mask`` (a key guard's reads of item_info).
     state = state.replace(item_info=inplace.tie(state.item_info,

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import indexes, item_info, ops, storage
+from funcreplay.core import indexes, inplace, item_info, ops, storage
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core.sampling import used_up
 from funcreplay.core.state import Sample, SampleInfo
@@ -30,8 +30,12 @@ def finish(spec, state, picked, prob, num_eligible, ver, replace):
     idx = jnp.concatenate([idx, jnp.full((1,), cap, idx.dtype)])
   state = state.replace(item_info=item_info.add_field(state.item_info, idx, "times_sampled", 1,
                                                       mode="drop"))
-  # One read of the rows' info words, after the increment.
-  got = item_info.unpack(ops.take(state.item_info, safe))
+  # One read of the rows' info words, after the increment; once off the CPU: XLA:GPU
+  # re-fused a one-row gather into each of its consumers (the batch's info, the freeing,
+  # the counters), some not ordered before a later write of item_info (a batch of one's
+  # update_priorities: two copies of it; experiments/accel_pytest.py). On the CPU the
+  # same program.
+  got = item_info.unpack(inplace.once_off_cpu(ops.take(state.item_info, safe)))
   n_valid = jnp.sum(valid, dtype=jnp.int32)
   c = dict(state.counters)
   c["samples"] = ctr.add(c["samples"], n_valid)
