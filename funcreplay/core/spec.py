@@ -57,9 +57,10 @@ class TableSpec:
       ``Fifo`` ring overwriting it, or (Reverb's queue, ``fr.queue(..., holes=False)``)
       an unmasked sample of the ``Fifo`` sampler using it up (``max_times_sampled``).
       ``False`` is a static promise that nothing else removes an item (``delete``,
-      ``evict_stale``, a grouped take, a masked sample using an item up, a remover other
-      than the ring), so the stored items are always the last ``size`` slots written, in
-      ring order; the uniform sample then maps a position to its slot, and the Fifo /
+      ``evict_stale``, a grouped take, a remover other than the ring; with a reuse limit,
+      any masked sample, which could use up an item that is not the oldest), so the
+      stored items are always the last ``size`` slots written, in ring order; the
+      uniform sample then maps a position to its slot, and the Fifo /
       Lifo sample its ``i``-th item, by ring arithmetic instead of descending the
       occupancy tree (BUILD.md findings 23 and 30: ~30% of an in-scan uniform step).
       Needs the ``Fifo()`` ring remover, and ``max_times_sampled`` only with the

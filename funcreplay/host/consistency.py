@@ -169,7 +169,9 @@ def holes_error(spec: TableSpec, state) -> str:
   """Why ``state`` (numpy leaves; ``[S, ...]`` for a sharded one) cannot be a state of
   ``spec`` when ``spec.holes`` is False, or "" if it can: its items must be exactly the
   ``size`` slots written last in each ring, ``(write_pos - size + i) mod C``
-  (``TableSpec.holes``; the uniform sample maps positions to those slots)."""
+  (``TableSpec.holes``; the uniform and Fifo / Lifo samples map positions to those
+  slots), and with ``max_times_sampled`` their reuse counts must not grow from the
+  oldest item to the newest (a Fifo sample then uses items up oldest first)."""
   if spec.holes:
     return ""
   occupied = np.asarray(state.occupied)
@@ -193,8 +195,8 @@ def holes_error(spec: TableSpec, state) -> str:
       grew = np.flatnonzero(np.diff(counts) > 0)
       if grew.size:
         i = int(grew[0])
-        return (f"{where}its item {i + 1} from the oldest has been sampled "
-                f"{int(counts[i + 1])} times, more than the older item {i} "
+        return (f"{where}its item {i + 1} (0 = the oldest) has been sampled "
+                f"{int(counts[i + 1])} time(s), more than item {i} before it "
                 f"({int(counts[i])}), so a Fifo sample could use it up first and leave a "
                 "hole: it cannot restore into a TableSpec(holes=False) with "
                 "max_times_sampled; restore with holes=True")

@@ -119,9 +119,9 @@ def test_counts_that_grow_toward_the_newest_item_do_not_restore(tmp_path):
   assert consistency.holes_error(ring, jax.device_get(s)) == ""
   s, _ = t.sample(s, jax.random.PRNGKey(0), batch_size=1, where=jnp.arange(CAP) == 2)
   why = consistency.holes_error(ring, jax.device_get(s))
-  assert "item 2 from the oldest has been sampled 1 times, more than the older item 1" in why
+  assert "item 2 (0 = the oldest) has been sampled 1 time(s), more than item 1 before" in why
   checkpoint.save(str(tmp_path / "c"), s, loose)
-  with pytest.raises(checkpoint.CheckpointError, match="more than the older item"):
+  with pytest.raises(checkpoint.CheckpointError, match="more than item 1 before it"):
     checkpoint.restore(str(tmp_path / "c"), ring)
   s, _ = t.sample(s, jax.random.PRNGKey(0), batch_size=2)  # items 0, 1 now used once too
   assert consistency.holes_error(ring, jax.device_get(s)) == ""

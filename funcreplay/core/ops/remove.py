@@ -53,9 +53,10 @@ def require_holes(spec: TableSpec, what: str) -> None:
   would leave a hole in a table that promised to have none (``TableSpec.holes``)."""
   if not spec.holes:
     raise ValueError(f"{what}: the table was made with TableSpec(holes=False), so items leave "
-                     "it only from its oldest end (the ring overwriting them, or an unmasked "
-                     "Fifo sample using them up); build it with holes=True (the default) to "
-                     "delete or evict items, or to use items up in a masked sample.")
+                     "it only from its oldest end (the ring overwriting them, or, with "
+                     "max_times_sampled, an unmasked Fifo sample using them up); build it "
+                     "with holes=True (the default) to delete or evict items, or to sample "
+                     "it with a mask under a reuse limit.")
 
 
 def delete(spec: TableSpec, state: TableState, slots, keys) -> TableState:

@@ -95,4 +95,5 @@ def _slots(spec: TableSpec, state: TableState, batch_size: int):
   # slots every later read and write (re-fused into those, the last level's byte reads
   # became one operation each: 64 more a step in a scan).
   slot = kth_occupied(state.occ_tree, materialize(jnp.where(valid, k, 0)), state.occupied)
-  return materialize(slot), valid, n
+  # In range where not valid too (an empty table's descent ends past the capacity).
+  return materialize(jnp.where(valid, slot, 0)), valid, n

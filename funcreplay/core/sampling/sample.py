@@ -12,7 +12,8 @@ Deterministic selectors (Fifo, Lifo, MinHeap, MaxHeap, StalestFirst,
 FreshestFirst) take the first B eligible items in their order by a radix
 select over top-k passes (``ordering.first_eligible``: O(C) a digit, no sort
 of the table); a Fifo or Lifo sampler on a ring without masks (Reverb's queue)
-reads the order off the ring instead, O(B log C) (``ring_order``).
+has a lean program that reads the order off the ring instead, O(B log C), O(B)
+in a table without holes (``ring_order``).
 """
 
 from __future__ import annotations

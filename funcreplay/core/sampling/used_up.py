@@ -1,4 +1,5 @@
-"""Freeing the items a sample used up (``max_times_sampled``), for the lean uniform sample.
+"""Freeing the items a sample used up (``max_times_sampled``), for the lean uniform and
+ring-order samples (``uniform_lean.finish``).
 
 An item is freed by the sample that brings its reuse count to
 ``spec.max_times_sampled``, so every occupied item is below the limit: eligible still
