@@ -57,6 +57,23 @@ def test_gather_and_reshard_round_trip(unequal):
   np.testing.assert_array_equal(counts1, counts2)
 
 
+def test_calls_without_jit_give_states_that_gather_and_save(mesh, tmp_path):
+  """Called eagerly (no jit of the caller's), the operations gave the empty leaves of the
+  features a spec leaves off (a uniform table's weight tree, the version index) shards
+  of the global shape on every device, and ``gather_state`` (so a checkpoint's save)
+  failed on them. Each operation is jitted now (``mesh.context``'s ``smap``)."""
+  from funcreplay import checkpoint
+  spec = fr.TableSpec(4 * 4, ITEM)
+  t = frs.make_sharded_table(spec, mesh)
+  st = t.insert(t.init(), tagged_items(N, 2, 0))  # both eager
+  host = frs.gather_state(st)
+  assert host.weight_tree.shape == (N, 0) and host.occupied.sum() == 2 * N
+  leaf_equal(host, frs.gather_state(jax.jit(t.insert)(jax.jit(t.init)(),
+                                                      tagged_items(N, 2, 0))))
+  checkpoint.save(str(tmp_path / "eager"), st, spec)
+  leaf_equal(checkpoint.restore(str(tmp_path / "eager"), as_numpy=True).state, host)
+
+
 def test_errors(mesh):
   with pytest.raises(ValueError, match="multiple"):
     frs.make_sharded_table(fr.TableSpec(10, ITEM), mesh)
