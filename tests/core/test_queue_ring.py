@@ -106,6 +106,11 @@ def test_host_queue_without_holes():
   with pytest.raises(ValueError, match=r"Table.delete: .*holes=False"):
     table.delete([0], [0])
   assert table.stats().to_dict() == before
+  table.insert({"x": np.arange(3, dtype=np.int32)})
+  before = table.stats().to_dict()
+  with pytest.raises(ValueError, match=r"Table.take_batch: .*holes=False"):  # a masked draw
+    table.take_batch({0: 1}, consume=False)
+  assert table.stats().to_dict() == before
   table.close()
 
 

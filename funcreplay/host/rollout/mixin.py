@@ -140,7 +140,8 @@ class RolloutMixin:
     """
     what = "Table.take_batch"
     self._check_open("take_batch")
-    if consume:
+    if consume or self.spec.max_times_sampled:  # a grouped take is a masked draw: under a
+      # reuse limit it may use up an item that is not the oldest
       ops.require_holes(self.spec, what)
     counts = self._counts(counts, what)
     column, padded, k, keys = self._groups(column, list(counts), what)
