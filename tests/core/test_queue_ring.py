@@ -73,11 +73,10 @@ def test_a_queue_without_holes_is_the_queue_with_holes(lifo, max_times, batch, o
     assert consistency.holes_error(spec, host) == ""
 
 
-@pytest.mark.parametrize("kw", [dict(lifo=True), dict(max_times=0)])
-def test_spec_refuses_a_reuse_limit_that_leaves_holes(kw):
-  with pytest.raises(ValueError, match="only with the Fifo"):
-    fr.TableSpec(CAP, ITEM, sampler=fr.Lifo() if kw.get("lifo") else fr.Uniform(),
-                 max_times_sampled=1, holes=False)
+def test_spec_refuses_a_reuse_limit_that_leaves_holes():
+  for sampler in (fr.Lifo(), fr.Uniform(), fr.Prioritized(0.6)):  # used up out of age order
+    with pytest.raises(ValueError, match="only with the Fifo"):
+      fr.TableSpec(CAP, ITEM, sampler=sampler, max_times_sampled=1, holes=False)
   with pytest.raises(ValueError, match="no max_staleness"):
     fr.queue(CAP, ITEM, max_staleness=2, holes=False)
   assert fr.queue(CAP, ITEM, holes=False).holes is False

@@ -1,8 +1,9 @@
 """Fifo / Lifo sampling from a ring (``sampling.ring_order``): the order read off the ring
 is the general program's sort by age, slot for slot, over random histories of inserts
 (masked rows too), deletes and samples that use items up; its lean sample leaves the
-general program's state and batch for those slots; and a queue's sample then insert in
-a scan sorts nothing and copies no column."""
+general program's state and batch for those slots. That a queue's sample then insert in
+a scan sorts nothing and copies no column, with and without holes, is checked in
+tests/core/test_queue_ring.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 
 import funcreplay as fr
-from funcreplay.core import hlo, ordering, trees
+from funcreplay.core import ordering, trees
 from funcreplay.core.sampling import ring_order
 from funcreplay.core.sampling.finish import finish as general_finish
 
@@ -96,24 +97,3 @@ def test_the_ring_order_is_the_sorted_order(lifo, capacity, max_times, ops):
     want = np.where(np.asarray(ok), np.asarray(order), -1)
     np.testing.assert_array_equal(np.asarray(got), want)
     assert int(num) == int(np.sum(ok))
-
-
-def test_a_queue_sample_then_insert_in_a_scan_sorts_nothing_and_copies_no_column():
-  cap = 4099  # odd: no other array of these programs has this leading dim
-  t = fr.make_table(fr.queue(cap, ITEM), native=False)
-
-  def run(s, i0):
-    def step(c, i):
-      s, acc = c
-      s, smp = t.sample(s, jax.random.PRNGKey(i), batch_size=16)
-      s = t.insert(s, {"x": jnp.arange(16, dtype=jnp.int32) + i})
-      return (s, acc + jnp.sum(smp.data["x"]) + jnp.sum(smp.info.key)), None
-    return jax.lax.scan(step, (s, jnp.int32(0)), jnp.arange(4) + i0)[0]
-
-  txt = jax.jit(run, donate_argnums=0).lower(t.init(), 0).compile().as_text()
-  p = t.spec.tree_size
-  big = [line for line in txt.splitlines()
-         if (" copy(" in line or " sort(" in line)
-         and any(f"[{n}]" in line or f"[{n}," in line for n in (cap, 2 * p))]
-  assert big == [], big
-  assert hlo.text_counts(txt, cap)["conditional"] == 0
