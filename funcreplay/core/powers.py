@@ -25,8 +25,15 @@ Algorithm, for a float32 ``x = 2**e * m`` (``m`` in [1, 2)), fixed point through
 3. ``2**f = 2**(j/256) * 2**r``: ``j`` the top 8 bits of ``f`` (a table, Q.30), ``2**r =
    exp(r ln 2)`` by its series to the cube (error < 2**-38, ``r < 2**-8``).
 4. Round the Q.30 mantissa to 24 bits (half up), add ``floor(y) + 127`` as the exponent:
-   below the smallest normal float32 the weight is 0 (as XLA:CPU flushes it), above the
-   largest it is inf.
+   below the smallest normal float32 the weight is 0 (as XLA:CPU flushes it).
+5. Saturate at ``MAX_WEIGHT = 2**96``: a sum tree adds up to ``2**31`` weights in float32
+   (about ``2**128`` at most), so a larger weight, or the sum of many large ones, would
+   reach inf, and every draw of an inf (or NaN) total would pick the table's first
+   eligible slot with probability 0. Capped, a tree's total stays below ``2**127 *
+   (1 + 2**-19)`` for any capacity: priorities whose weight would exceed ``2**96`` (about
+   7.9e28; ``p > 2.8e14`` at ``alpha = 2``) all weigh ``2**96``, the most likely items
+   and equally likely among themselves. Reverb keeps doubles; float32 cannot hold their
+   range, and this is the one place where the two differ for finite priorities.
 
 Error: under 0.6 ulp of the exact ``p**alpha`` for ``alpha`` up to 16 (measured by
 tests/core/test_powers.py against float64 over every binade): 0.5 ulp from the final
@@ -36,7 +43,8 @@ alpha 100, ~50 at 16384, the largest exponents only of use for near-1 priorities
 
 Inputs: ``p <= 0`` (and -0.0) gives 0; a positive ``p`` below ``numerics.TINY`` counts as
 ``TINY`` (denormals included, compared as bits, so no backend's flush-to-zero mode
-matters); ``+inf`` gives inf (1 for ``alpha = 0``); NaN stays NaN. Cost: about 110
+matters); ``+inf`` gives inf (1 for ``alpha = 0``); NaN stays NaN (the tables store
+both as 0, ``ops.rows.sanitize_priorities``, before they reach here). Cost: about 110
 integer operations per element (eight 32x32 -> 64-bit products of 16-bit halves), fused
 into the surrounding elementwise work; O(1) per element, no loop.
 """
@@ -64,6 +72,10 @@ MAX_EXPONENT = 2.0**15
 _TINY_BITS = int(np.float32(numerics.TINY).view(np.uint32))
 _MIN_NORMAL_BITS = 0x00800000
 _MAX_FINITE_BITS = 0x7F7FFFFF
+# Step 5 of the module doc: every finite weight is at most 2**96, so a float32 sum of up to
+# 2**31 of them stays finite. The kernels' kMaxWeightBits (native/csrc/powers.h) is this.
+MAX_WEIGHT = 2.0**96
+_MAX_WEIGHT_BITS = int(np.float32(MAX_WEIGHT).view(np.uint32))
 _INF_BITS = 0x7F800000
 
 
@@ -169,7 +181,8 @@ def power(priority, alpha: float):
     priority: float32 array, any shape.
     alpha: static Python float, ``0 <= alpha < MAX_EXPONENT``.
   Returns:
-    float32, ``priority``'s shape: 0 where ``priority <= 0``.
+    float32, ``priority``'s shape: 0 where ``priority <= 0``, at most ``MAX_WEIGHT`` where
+    ``priority`` is finite.
   """
   m_a, e_a = exponent_parts(alpha)
   bits = lax.bitcast_convert_type(jnp.asarray(priority, jnp.float32), jnp.uint32)
@@ -194,6 +207,8 @@ def power(priority, alpha: float):
     normal = ((jnp.clip(biased, 1, 254).astype(jnp.uint32) << 23) | (mant & 0x7FFFFF))
     out = jnp.where(biased >= 255, _u32(_INF_BITS), jnp.where(biased <= 0, _u32(0), normal))
     out = jnp.where(special, bits, out)
+  # Step 5 (positive floats order as their bits): finite priorities weigh <= MAX_WEIGHT.
+  out = jnp.where(special, out, jnp.minimum(out, _u32(_MAX_WEIGHT_BITS)))
   out = jnp.where(positive, out, _u32(0))
   return lax.bitcast_convert_type(out, jnp.float32)
 

@@ -116,6 +116,35 @@ def test_probability_and_num_eligible_reported():
   assert int(b.num_eligible) == 10
 
 
+@pytest.mark.parametrize("alpha,priorities,heavy", [
+    (2.0, [1e20, 1.0, 1.0, 2.0], [0]),            # 1e40 would overflow float32
+    (1.0, [3e38, 3e38, 1.0, 2.0], [0, 1]),        # each fits, their sum would not
+    (1.0, [3e38, 1e30, 1.0, np.finfo(np.float32).max], [0, 1, 3]),
+])
+def test_prioritized_draws_of_weights_beyond_float32_stay_proportional(alpha, priorities,
+                                                                     heavy):
+  """Weights saturate at ``powers.MAX_WEIGHT`` (2**96), so the sum tree stays finite: the
+  heaviest items are drawn, equally often, with probabilities in (0, 1]. Before, the
+  total overflowed to inf and every draw took slot 0's neighbour of weight 1 with
+  probability 0 (found by a review against Reverb, whose weights are doubles)."""
+  spec = fr.TableSpec(8, ITEM, sampler=fr.Prioritized(alpha))
+  f = jitted(spec)
+  state = f["insert"](f["table"].init(), items_from_ids(np.arange(4)),
+                      priority=jnp.asarray(priorities, jnp.float32))
+  assert np.isfinite(float(state.weight_tree[1]))
+  slots, valid = _sample_counts(spec, state, 2000, 1, replace=True)
+  assert valid.all()
+  counts = np.bincount(slots.ravel(), minlength=4)
+  assert set(np.flatnonzero(counts)) == set(heavy), counts
+  if len(heavy) > 1:
+    assert sstats.chisquare(counts[heavy]).pvalue > P_MIN, counts
+  _, b = f["sample"](state, jax.random.PRNGKey(3), batch_size=4)
+  prob = np.asarray(b.info.probability)
+  assert np.all((prob >= 0) & (prob <= 1)) and np.all(np.isfinite(prob))
+  np.testing.assert_array_equal(prob[np.isin(np.asarray(b.info.slot), heavy)],
+                                np.float32(1 / len(heavy)))
+
+
 @pytest.mark.parametrize("capacity,batch", [(50, 7), (13, 13), (8, 3), (1, 1)])
 def test_fifo_ring_keeps_the_live_window(capacity, batch):
   """Strictly increasing payloads: every sample belongs to the last `capacity` inserted."""

@@ -37,19 +37,34 @@ def test_within_one_ulp_of_float64(alpha):
                       np.float32([1.0, 2.0, 0.5, 1.5, 3.0, 1e-30, 3.4e38, 1.0000001])])
   got = _power(x, alpha).astype(np.float64)
   want = np.power(x.astype(np.float64), float(np.float32(alpha)))
-  normal = (want >= _F32_MIN) & (want <= np.finfo(np.float32).max)
+  normal = (want >= _F32_MIN) & (want <= powers.MAX_WEIGHT)
   ulp = np.spacing(want[normal].astype(np.float32)).astype(np.float64)
   err = np.abs(got[normal] - want[normal]) / ulp
   assert err.max() < 0.6, (alpha, err.max())  # measured 0.51-0.55: about correctly rounded
-  # Outside float32's normal range: 0 below (flushed, as XLA:CPU does), inf above.
+  # Below float32's normal range: 0 (flushed, as XLA:CPU does); above MAX_WEIGHT (2**96,
+  # float32's largest value and beyond included): MAX_WEIGHT, so sum trees stay finite.
   assert np.all(got[want < _F32_MIN] == 0)
-  assert np.all(np.isinf(got[want > np.finfo(np.float32).max]))
+  assert np.all(got[want > powers.MAX_WEIGHT] == powers.MAX_WEIGHT)
+  assert (want > powers.MAX_WEIGHT).any() or alpha < 1  # the sample reaches the cap
+
+
+@pytest.mark.parametrize("alpha", [1.0, 2.0])
+def test_weights_saturate_at_max_weight(alpha):
+  """Finite priorities weigh at most 2**96 (``powers`` step 5), exactly at the boundary
+  too; alpha = 1 (the weight is the priority) included."""
+  cap = np.float32(powers.MAX_WEIGHT)
+  root = np.float32(powers.MAX_WEIGHT ** (1 / alpha))  # exact: 2**96, 2**48
+  x = np.float32([root, np.nextafter(root, np.float32(0)), np.nextafter(root, np.inf),
+                  3.4e38, np.finfo(np.float32).max])
+  got = _power(x, alpha)
+  assert got[0] == cap and got[1] < cap
+  np.testing.assert_array_equal(got[2:], np.full(3, cap))
 
 
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
 def test_alpha_zero_and_one_are_exact(alpha):
   x = _floats(10_000, 3)
-  want = np.ones_like(x) if alpha == 0 else x
+  want = np.ones_like(x) if alpha == 0 else np.minimum(x, np.float32(powers.MAX_WEIGHT))
   np.testing.assert_array_equal(_power(x, alpha), want)
 
 

@@ -37,10 +37,12 @@ inline PowParams MakePowParams(const uint32_t* words, float alpha) {
   return p;
 }
 
-// float32 priority**alpha; 0 for priority <= 0 (powers.power).
+// float32 priority**alpha; 0 for priority <= 0, at most 2**96 for a finite priority
+// (powers.power; its docstring's step 5 says why the weights saturate there).
 inline float PowerWeight(float priority, const PowParams& p) {
   constexpr uint32_t kTinyBits = 0x0DA24260u;  // float32(1e-30), numerics.TINY
   constexpr uint32_t kMaxFinite = 0x7F7FFFFFu, kInf = 0x7F800000u;
+  constexpr uint32_t kMaxWeightBits = 0x6F800000u;  // float32(2**96), powers.MAX_WEIGHT
   uint32_t bits;
   std::memcpy(&bits, &priority, sizeof bits);
   if (static_cast<int32_t>(bits) <= 0) return 0.0f;
@@ -95,6 +97,7 @@ inline float PowerWeight(float priority, const PowParams& p) {
       out = (static_cast<uint32_t>(biased) << 23) | (mant & 0x7FFFFFu);
     }
   }
+  if (!special && out > kMaxWeightBits) out = kMaxWeightBits;
   float w;
   std::memcpy(&w, &out, sizeof w);
   return w;
