@@ -23,9 +23,14 @@ predicates compare it with the window scaled by ``q`` in integer arithmetic,
 so they never lose precision however many operations a run performs. A
 ratio or window whose scaled form does not fit (``p``, ``q`` and the scaled
 bounds at most 2**29 in magnitude, ``MAX_TERM``) is refused with a clear
-error: pass a ``Fraction`` with a smaller denominator. Saturation only
-matters for limiters without a window (``MinSize``), whose predicate never
-reads the diff.
+error: pass a ``Fraction`` with a smaller denominator. Saturation does not
+matter to limiters without a window (``MinSize``), whose predicate never reads
+the diff. A window keeps the diff within a batch of its bounds, except for the
+inserts it does not check: those made while the table holds fewer than
+``min_size_to_sample`` items (as in Reverb), e.g. while items are deleted as
+they come. Each adds ``p``, so about ``2**30 / p`` of them (~1e9 at ``spi =
+1``, 2 at ``p = 2**29``) saturate the diff, which then returns into the window
+after fewer samples than Reverb's exact one: inserts unblock early.
 
 A window with ``min_diff > spi * min_size_to_sample`` is refused (as in
 Reverb: sampling could never start), and ``SampleToInsertRatio`` requires,

@@ -55,7 +55,7 @@ from funcreplay.host.table_updates import UpdatesMixin
 from funcreplay.host.validation import as_array as _as_array
 from funcreplay.host.validation import bucket as _bucket
 from funcreplay.host.validation import check_int as _check_int
-from funcreplay.host.validation import check_items, check_metadata_columns
+from funcreplay.host.validation import check_items, check_limiter_reachable, check_metadata_columns
 from funcreplay.host.validation import check_timeout as _check_timeout
 from funcreplay.host.validation import describe_limiter as _describe_limiter
 from funcreplay.host.validation import int_rows as _int_rows
@@ -140,6 +140,7 @@ class Table(TableGuard, SamplingMixin, UpdatesMixin, RolloutMixin):
                _ops_for(spec, native), payloads)
 
   def _init(self, spec, state, rng, version, ops_, payloads=False, sidecar_values=None):
+    check_limiter_reachable(spec)
     self.spec = spec
     self._ops = ops_
     self._state = self._ops.init() if state is None else state

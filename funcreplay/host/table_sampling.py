@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from funcreplay import native as native_lib
-from funcreplay.core import packing
+from funcreplay.core import indexes, packing
 from funcreplay.core import selectors as sel
 from funcreplay.core.packing import is_torch_tensor
 from funcreplay.core.state import Sample
@@ -240,10 +240,20 @@ class SamplingMixin:
                        + (f"; max_staleness={spec.max_staleness} at version {ver_int}"
                           if spec.max_staleness is not None else "")
                        + ("; restricted by where" if where is not None else "")
+                       + _zero_weights(spec, self._state)
                        + "); insert more (fresh) items or lower min_valid")
           why = "; and ".join(why)
           raise TimeoutError(f"{what}({batch_size}) timed out after {timeout} s: {why}, "
                              "or pass a larger timeout.")
+
+
+def _zero_weights(spec, state) -> str:
+  """Names the stored items a ``Prioritized`` sampler never draws (weight 0), if any."""
+  n = int(indexes.zero_weight_count(spec, state))
+  if not n:
+    return ""
+  return (f"; {n} stored item{'s' if n > 1 else ''} of priority 0 (weight 0), which the "
+          f"Prioritized sampler never draws: update their priorities")
 
 
 def _batch_beyond_window(spec, batch_size: int, replace: bool, cnt: int) -> str:

@@ -115,15 +115,31 @@ def pad_leaf(x, n: int):
 
 
 def describe_limiter(spec: TableSpec) -> str:
+  """The spec's limiter as the constructor call that makes it (``Queue(n)`` / ``Stack(n)``
+  only for the limiters those make: an integer bound ``n >= 1``)."""
   lim = spec.rate_limiter
   if math.isinf(lim.max_diff) and math.isinf(lim.min_diff):
     return f"MinSize({lim.min_size_to_sample})"
-  if (lim.samples_per_insert == 1.0 and lim.min_size_to_sample == 1 and lim.min_diff == 0.0):
+  if (lim.samples_per_insert == 1.0 and lim.min_size_to_sample == 1 and lim.min_diff == 0.0
+      and lim.max_diff >= 1 and float(lim.max_diff).is_integer()):
     name = "Stack" if isinstance(spec.sampler, sel.Lifo) else "Queue"
     return f"{name}({int(lim.max_diff)})"
   return (f"SampleToInsertRatio(samples_per_insert={lim.samples_per_insert}, "
           f"min_size_to_sample={lim.min_size_to_sample}, window=[{lim.min_diff}, "
           f"{lim.max_diff}])")
+
+
+def check_limiter_reachable(spec: TableSpec) -> None:
+  """A host table blocks a sample until its limiter allows it: refuse a limiter that never
+  can, one that waits for more items than the table holds (Reverb accepts it, and its
+  samples wait forever)."""
+  need = spec.rate_limiter.min_size_to_sample
+  if need > spec.capacity:
+    raise ValueError(
+        f"Table: the rate limiter {describe_limiter(spec)} waits for "
+        f"min_size_to_sample={need} items, but the table holds at most capacity="
+        f"{spec.capacity}: every sample would block until its timeout. Lower "
+        f"min_size_to_sample or raise the capacity.")
 
 
 def check_metadata_columns(metadata, columns, what: str) -> Mapping[str, Any]:

@@ -130,6 +130,45 @@ def test_a_batch_wider_than_the_window_says_so():
   assert t.sample(20, timeout=0).valid.all()
 
 
+def test_a_limiter_waiting_for_more_items_than_the_capacity_is_refused():
+  """``min_size_to_sample > capacity`` could never allow a sample (Reverb accepts it, and
+  its samples wait forever); the host table refuses it up front and says what to change."""
+  for lim in (fr.MinSize(10), fr.SampleToInsertRatio(1.0, 10, 5.0)):
+    with pytest.raises(ValueError, match=r"min_size_to_sample=10 items, but the table holds "
+                                         r"at most capacity=4.*Lower min_size_to_sample"):
+      Table(fr.TableSpec(4, ITEM, rate_limiter=lim))
+  assert Table(fr.TableSpec(4, ITEM, rate_limiter=fr.MinSize(4))).size == 0  # reachable
+
+
+def test_timeouts_name_the_limiter_as_it_was_made():
+  """``Queue(n)`` / ``Stack(n)`` only for the limiters they make; a ratio limiter of the
+  same shape with another bound is named as the ratio limiter it is."""
+  lim = fr.SampleToInsertRatio(1.0, 1, (0.0, 2.5))
+  t = Table(fr.TableSpec(8, ITEM, rate_limiter=lim))
+  t.insert(np_items([0, 1]), timeout=0)
+  with pytest.raises(TimeoutError, match=r"SampleToInsertRatio\(samples_per_insert=1.0, "
+                                         r"min_size_to_sample=1, window=\[0.0, 2.5\]\)"):
+    t.insert(np_items([2]), timeout=0)
+  q = Table(fr.TableSpec(8, ITEM, sampler=fr.Lifo(), rate_limiter=fr.Stack(2)))
+  q.insert(np_items([0, 1]), timeout=0)
+  with pytest.raises(TimeoutError, match=r"Stack\(2\)"):
+    q.insert(np_items([2]), timeout=0)
+
+
+def test_a_sample_waiting_on_zero_priorities_says_so():
+  """Items of priority 0 weigh 0 and are never drawn: the timeout names them."""
+  t = Table(fr.TableSpec(4, ITEM, sampler=fr.Prioritized(0.6)))
+  t.insert(np_items([1, 2]), priority=0.0)
+  with pytest.raises(TimeoutError, match=r"only 0 eligible items .*2 stored items of "
+                                         r"priority 0 .*update their priorities"):
+    t.sample(1, timeout=0.05)
+  t.insert(np_items([3]), priority=1.0)
+  with pytest.raises(TimeoutError, match=r"only 1 eligible items .*2 stored items of "
+                                         r"priority 0"):
+    t.sample(2, timeout=0.05)
+  assert t.sample(1, timeout=0).data["x"].tolist() == [3]
+
+
 # --- blocking --------------------------------------------------------------------------
 
 def test_blocked_sampler_is_released_by_insert():
