@@ -33,10 +33,8 @@ def count(n) -> Tuple[jnp.ndarray, jnp.ndarray]:
 
 def total(values, where=None) -> Tuple[jnp.ndarray, jnp.ndarray]:
   """The exact two-word increment ``(hi, lo)`` of ``sum(values[where])`` (non-negative
-  int32/uint32, at most 65,536 values; as ``counters.add_sum``)."""
-  lo16, hi16 = counters.half_sums(values, where)
-  lo = ((hi16 & _U32(0xFFFF)) << _U32(16)) + lo16  # hi16 * 2**16 + lo16, low word
-  return (hi16 >> _U32(16)) + (lo < lo16).astype(_U32), lo
+  int32/uint32, any number of them; ``counters.total``)."""
+  return counters.total(values, where)
 
 
 def update(state: TableState, adds: Dict[str, Tuple], sets: Dict[str, jnp.ndarray]

@@ -95,13 +95,16 @@ def test_two_word_add_sum_is_exact():
   assert got == 2**32 - 10 + 1000 * (2**31 + 7)
 
 
-@pytest.mark.parametrize("n", [1, 31, 33, 64, 1000])
+@pytest.mark.parametrize("n", [1, 31, 33, 64, 1000, 65_536, 65_537, 300_000])
 def test_two_word_totals_are_exact_sums(n):
   # counters.half_sums reduces both 16-bit halves in one reduction; add_sum and the
   # ledger's total (ledger_update.total) build on it.
   from funcreplay.core import ledger_update
+  # Beyond counters.CHUNK (65,536) values the halves are summed per chunk: the values are
+  # near 2**32 - 1 there, where one uint32 half sum of them all would have wrapped.
   rng = np.random.default_rng(n)
-  v = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+  lo = 0 if n <= ctr.CHUNK else 2**32 - 2**16
+  v = rng.integers(lo, 2**32, n, dtype=np.uint64).astype(np.uint32)
   where = rng.random(n) < 0.7
   want = int(v[where].astype(np.uint64).sum())
   c = ctr.from_int(2**32 - 3)

@@ -148,3 +148,19 @@ def test_extreme_versions_are_exact(max_staleness, versions, queries):
     assert int(fast) == truth and int(full) == truth, (v, int(fast), int(full), truth)
     _, out = f["sample"](state, jax.random.PRNGKey(0), batch_size=2, version=np.int32(v))
     assert int(out.valid.sum()) == truth and int(out.num_eligible) == truth
+
+
+def test_staleness_sum_of_a_batch_beyond_65536_rows_is_exact():
+  """``sampled_staleness_sum`` adds every valid row's staleness: a sample with replacement
+  of 70,000 rows at staleness 65,535 adds 4,587,450,000, which one uint32 half sum of
+  16-bit halves wrapped (the kernel's 64-bit sum did not: the executors disagreed;
+  found by a review)."""
+  b, v = 70_000, 65_535
+  spec = fr.TableSpec(16, ITEM)
+  f = jitted(spec)
+  state = f["insert"](f["table"].init(), items_from_ids(np.arange(16)), version=0)
+  state, batch = f["sample"](state, jax.random.PRNGKey(0), batch_size=b, replace=True,
+                             version=v)
+  c = {k: fr.counters.to_int(x) for k, x in state.counters.items()}
+  assert int(np.sum(batch.valid)) == b == c["samples"]
+  assert c["sampled_staleness_sum"] == b * v
