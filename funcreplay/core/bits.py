@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from funcreplay.core.inplace import materialize_on_cpu
@@ -74,6 +75,28 @@ def threefry2x32(k0, k1, x0, x1):
     x0 = x0 + ks[(i + 1) % 3]
     x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
   return x0, x1
+
+
+# Shapes of raw key data (uint32) for JAX's key implementations: threefry2x32 (the
+# default) and rbg / unsafe_rbg.
+_RAW_KEY_SHAPES = ((2,), (4,))
+
+
+def check_key(rng, what: str) -> None:
+  """Refuse anything but one PRNG key: a typed key array of shape ``()``
+  (``jax.random.key``) or raw key data, ``uint32[2]`` (``jax.random.PRNGKey``; ``[4]``
+  for the rbg implementations). The draws read the key's first two words, so a float
+  array, int words or a batch of keys would otherwise become some other key silently.
+  Static (dtype and shape only): works on traced keys."""
+  x = rng if hasattr(rng, "dtype") and hasattr(rng, "shape") else np.asarray(rng)
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    ok = x.shape == ()
+  else:
+    ok = x.dtype == jnp.uint32 and tuple(x.shape) in _RAW_KEY_SHAPES
+  if not ok:
+    raise TypeError(f"{what}: rng must be one PRNG key, jax.random.key(seed) or "
+                    f"jax.random.PRNGKey(seed) (uint32[2]), got {x.dtype}{list(x.shape)}. "
+                    "For several draws, split a key (jax.random.split) and pass one at a time.")
 
 
 def words(key, n: int):

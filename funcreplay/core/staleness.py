@@ -38,9 +38,12 @@ arrays and pay nothing.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from funcreplay.core.spec import TableSpec
+
+_I32 = np.iinfo(np.int32)
 
 MAX_WINDOW = 4096
 _NONE = jnp.iinfo(jnp.int32).max  # old_min when no old item is left
@@ -67,6 +70,21 @@ def empty(spec: TableSpec):
   return jnp.zeros((v,), jnp.int32), jnp.asarray([0, 0, _NONE], jnp.int32)
 
 
+def as_version(version, what: str = "version") -> jnp.ndarray:
+  """int32 array of a policy version (a scalar, or ``[B]`` for an insert): integers only.
+  A float would be truncated to another version and a host integer beyond int32 wrapped
+  (refused, naming ``what``); a traced one is checked by its dtype."""
+  x = version if hasattr(version, "dtype") else np.asarray(version)
+  if x.dtype.kind not in "iu":
+    raise TypeError(f"{what} must be an integer (a policy version), got {x.dtype}.")
+  if not hasattr(version, "aval") and np.asarray(version).size:
+    v = np.asarray(version)
+    lo, hi = int(v.min()), int(v.max())
+    if lo < _I32.min or hi > _I32.max:
+      raise ValueError(f"{what} must fit int32, got {lo if lo < _I32.min else hi}.")
+  return jnp.asarray(version, jnp.int32)
+
+
 def threshold(spec: TableSpec, version) -> jnp.ndarray:
   """int32[]: the oldest version still fresh at ``version``: ``version - max_staleness``,
   saturated at the int32 minimum (every item is fresh) instead of wrapping.
@@ -76,7 +94,7 @@ def threshold(spec: TableSpec, version) -> jnp.ndarray:
   keeps the test exact for any two int32 versions (that difference can wrap).
   """
   lowest = jnp.iinfo(jnp.int32).min + spec.max_staleness  # fits: 0 <= max_staleness < 2**31
-  return jnp.maximum(jnp.asarray(version, jnp.int32), jnp.int32(lowest)) - spec.max_staleness
+  return jnp.maximum(as_version(version), jnp.int32(lowest)) - spec.max_staleness
 
 
 def _bucket_versions(hi, v):

@@ -117,3 +117,73 @@ def test_keyed_calls_check_their_slots_keys_and_values():
     t.update_priorities(state, np.int32([0, 1]), keys, np.float32([5, 7, 9]))
   with pytest.raises(TypeError, match="set_metadata: values must be integers"):
     t.set_metadata(state, np.int32([0, 1]), keys, "task", np.float32([5, 7]))
+
+
+BAD_KEYS = [np.float32([0.3, 0.7]), np.uint32([0, 0, 12345]), np.int32([0, 1]),
+            jax.random.split(jax.random.PRNGKey(0), 2), 7]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS, ids=["float32[2]", "uint32[3]", "int32[2]",
+                                               "uint32[2,2]", "int"])
+def test_only_one_prng_key_is_taken(key):
+  """The draws read a key's first two words, so anything else (a float array, int words,
+  a batch of keys) became some other key silently (found by a review; ``jax.random``
+  refuses them too). One key, raw ``uint32[2]`` or typed, is taken."""
+  spec = fr.TableSpec(8, ITEM, remover=fr.Uniform())
+  t = fr.make_table(spec)
+  st = t.insert(t.init(), items_from_ids(np.arange(4)), rng=jax.random.PRNGKey(1))
+  with pytest.raises(TypeError, match=r"sample: rng must be one PRNG key"):
+    t.sample(st, key, batch_size=2)
+  with pytest.raises(TypeError, match=r"insert: rng must be one PRNG key"):
+    t.insert(st, items_from_ids([9]), rng=key)
+  traj = fr.make_trajectory_table(fr.TrajectorySpec(
+      num_envs=2, time_capacity=8, sequence_length=2, period=1,
+      signature={"o": jnp.zeros((), jnp.float32)}))
+  with pytest.raises(TypeError, match=r"sample: rng must be one PRNG key"):
+    traj.sample(traj.init(), key, batch_size=1)
+  for good in (jax.random.PRNGKey(3), jax.random.key(3)):
+    assert t.sample(st, good, batch_size=2)[1].valid.all()
+
+
+def test_insert_refuses_what_its_columns_would_truncate():
+  """Versions and metadata are integers, a mask bools, priorities real numbers: a float
+  version or metadata value was truncated and a host int64 beyond int32 wrapped (found
+  by a review; ``set_metadata`` and the host ``Table`` refused them already)."""
+  spec = fr.TableSpec(8, ITEM, metadata=("task",), sampler=fr.Prioritized(0.6))
+  t = fr.make_table(spec)
+  st = t.init()
+  x = items_from_ids([1, 2])
+  for kw, err, match in [
+      (dict(version=2.9), TypeError, r"insert version must be integers, got float"),
+      (dict(version=2**40), ValueError, r"insert version must fit int32"),
+      (dict(metadata={"task": 1.7}), TypeError, r"metadata\['task'\] must be integers"),
+      (dict(metadata={"task": np.int64(2**32 + 5)}), ValueError, r"must fit int32"),
+      (dict(mask=np.array([1.0, 0.0])), TypeError, r"insert mask must be bools"),
+      (dict(mask=2), TypeError, r"insert mask must be bools"),
+      (dict(priority=True), TypeError, r"insert priority must be real numbers, got bool"),
+      (dict(priority=np.array([1 + 2j, 1])), TypeError, r"must be real numbers, got complex"),
+  ]:
+    with pytest.raises(err, match=match):
+      t.insert(st, x, **kw)
+  st = t.insert(st, x, version=np.int64(3), priority=np.array([1, 2]),
+                mask=np.array([True, False]), metadata={"task": np.uint8(3)})
+  assert int(st.size) == 1  # integer priorities, numpy scalars in range: taken
+
+
+def test_queries_refuse_float_versions_and_empty_counts():
+  spec = fr.TableSpec(8, ITEM, max_staleness=2)
+  t = fr.make_table(spec)
+  st = t.insert(t.init(), items_from_ids([1, 2]), version=0)
+  with pytest.raises(TypeError, match=r"sample: version must be an integer"):
+    t.sample(st, jax.random.PRNGKey(0), batch_size=1, version=0.9)
+  with pytest.raises(TypeError, match=r"version must be an integer"):
+    t.evict_stale(st, 3.7)
+  with pytest.raises(TypeError, match=r"version must be an integer"):
+    t.count(st, version=1.5)
+  with pytest.raises(ValueError, match=r"can_insert: num_items must be an integer >= 1"):
+    t.can_insert(st, -3)
+  with pytest.raises(ValueError, match=r"can_sample: batch_size must be an integer >= 1"):
+    t.can_sample(st, 0, version=0)
+  with pytest.raises(ValueError, match=r"keys are uint32"):
+    t.delete(st, np.array([0]), np.array([2**33]))
+  assert bool(jax.jit(lambda s, n: t.can_insert(s, n))(st, 2))  # traced counts: taken

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from funcreplay.core import bits, executor, indexes, inplace, item_info, staleness, storage, trees
 from funcreplay.core import counters as ctr
-from funcreplay.core import executor, indexes, inplace, item_info, staleness, storage, trees
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
 from funcreplay.core.ops import insert_lean
@@ -80,6 +80,8 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
                      "split the batch or grow the table.")
   if isinstance(spec.remover, sel.Uniform) and rng is None:
     raise ValueError("insert: the Uniform remover needs an explicit PRNG key: pass rng=.")
+  if rng is not None:
+    bits.check_key(rng, "insert")
   metadata = dict(metadata or {})
   unknown = set(metadata) - set(spec.metadata)
   if unknown:

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from funcreplay.core import counters as ctr
 from funcreplay.core import indexes, staleness
@@ -67,13 +68,25 @@ def count(spec: TableSpec, state: TableState, where=None, version=None, size=Non
                                staleness.threshold(spec, version), full)
 
 
+def _check_count(n, lo: int, what: str) -> None:
+  """A host count below ``lo`` (or not an integer) is refused; a traced one is taken."""
+  if isinstance(n, jax.core.Tracer):
+    return
+  if isinstance(n, (bool, np.bool_)) or np.asarray(n).dtype.kind not in "iu" \
+      or np.ndim(n) or int(n) < lo:
+    raise ValueError(f"{what} must be an integer >= {lo}, got {n!r}.")
+
+
 def can_insert(spec: TableSpec, state: TableState, num_items=1):
-  """Rate limiter: may ``num_items`` be inserted now? bool[]."""
+  """Rate limiter: may ``num_items`` (>= 1) be inserted now? bool[]."""
+  _check_count(num_items, 1, "can_insert: num_items")
   return spec.rate_limiter.can_insert(state.size, state.limiter_diff, num_items)
 
 
 def can_sample(spec: TableSpec, state: TableState, batch_size=1, version=None, where=None):
-  """Rate limiter allows ``batch_size`` samples *and* that many items are eligible."""
+  """Rate limiter allows ``batch_size`` (>= 1) samples *and* that many items are
+  eligible."""
+  _check_count(batch_size, 1, "can_sample: batch_size")
   return (spec.rate_limiter.can_sample(state.size, state.limiter_diff, batch_size)
           & (count(spec, state, where, version) >= batch_size))
 

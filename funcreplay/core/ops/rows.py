@@ -28,13 +28,32 @@ def batch_size(spec: TableSpec, items) -> int:
   return sizes.pop()
 
 
+# Input dtype kinds a row of each target dtype takes: a float version or metadata value
+# would be truncated, a float mask or a bool priority read as something else.
+_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
+
+
 def rows(x, b, dtype, name):
   """``x`` (a scalar or ``[b]``) as ``dtype[b]``. Host values (Python or numpy) stay
   numpy: constants to XLA, which ``item_info.pack`` leaves out of the row when zero and
   otherwise ORs in as a literal (a traced constant's pad is an operation XLA hoists out
-  of a scan's loop, run on every call)."""
+  of a scan's loop, run on every call).
+
+  Refused, naming ``name``: another dtype kind than ``dtype`` takes (``_KINDS``: integers
+  for integer rows, bools for a mask, real numbers for priorities), and host integers
+  beyond an integer ``dtype``'s range (they would wrap)."""
   host = isinstance(x, (bool, int, float, np.ndarray, np.generic))
-  checked = jnp.asarray(x)  # the checks (dtype, range) of any input
+  kind = (np.asarray(x) if host else jnp.asarray(x)).dtype.kind
+  if kind not in _KINDS[np.dtype(dtype).kind]:
+    want = {"b": "bools", "i": "integers", "u": "integers", "f": "real numbers"}
+    raise TypeError(f"{name} must be {want[np.dtype(dtype).kind]}, got "
+                    f"{(np.asarray(x) if host else jnp.asarray(x)).dtype}.")
+  if host and kind in "iu" and np.dtype(dtype).kind in "iu" and np.asarray(x).size:
+    v, info = np.asarray(x), np.iinfo(dtype)
+    if int(v.min()) < info.min or int(v.max()) > info.max:
+      raise ValueError(f"{name} must fit {np.dtype(dtype).name}, got values in "
+                       f"[{int(v.min())}, {int(v.max())}].")
+  checked = jnp.asarray(x)  # the checks (shape) of any input
   if checked.ndim not in (0, 1) or (checked.ndim == 1 and checked.shape[0] != b):
     raise ValueError(f"{name} must be a scalar or have shape [{b}], got "
                      f"{list(checked.shape)}.")
@@ -65,6 +84,12 @@ def keyed_args(what: str, slots, keys, values=None, values_name: str = "values",
     if x.ndim and x.shape != slots_in.shape:
       raise ValueError(f"{what}: {name} must be a scalar or of the slots' shape "
                        f"{list(slots_in.shape)}, got {list(x.shape)}.")
+  # Keys are uint32: a host key outside [0, 2**32) would wrap onto another item's key.
+  if keys is not None and not hasattr(keys, "aval") and np.asarray(keys).size:
+    k = np.asarray(keys)
+    if int(k.min()) < 0 or int(k.max()) > 0xFFFFFFFF:
+      raise ValueError(f"{what}: keys are uint32 (Sample.info.key), got values in "
+                       f"[{int(k.min())}, {int(k.max())}].")
   return slots_in.astype(jnp.int32), keys, values
 
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from funcreplay.core import (
+  bits,
   executor,
   fixedpoint,
   indexes,
@@ -34,6 +35,7 @@ from funcreplay.core import (
   ops,
   ordering,
   packing,
+  staleness,
   storage,
 )
 from funcreplay.core import selectors as sel
@@ -94,6 +96,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
     number of valid rows. When fewer than ``B`` items are eligible the
     remaining rows have ``valid=False``, slot -1 and zero data.
   """
+  bits.check_key(rng, "sample")
   b = batch_size
   if isinstance(b, jax.core.Tracer):
     raise ValueError(f"sample: batch_size is a traced value ({b!r}); it sets the shape of the "
@@ -113,7 +116,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   if stratified and (not replace or masked or sel.is_ordered(spec.sampler)):
     raise ValueError("sample: stratified=True needs replace=True, a Uniform or Prioritized "
                      "sampler, and no where/staleness mask (strata are over the whole table).")
-  ver = None if version is None else jnp.asarray(version, jnp.int32)
+  ver = None if version is None else staleness.as_version(version, "sample: version")
   enabled = None if enabled is None else jnp.asarray(enabled, bool)
   layout = packing.layout(spec.signature, b) if packed else None  # raises if unpackable
 

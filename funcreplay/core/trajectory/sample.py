@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from funcreplay.core import bits, fixedpoint, inplace, numerics, powers, staleness, trees
 from funcreplay.core import counters as ctr
-from funcreplay.core import fixedpoint, inplace, numerics, powers, staleness, trees
 from funcreplay.core.inplace import materialize
 from funcreplay.core.sampling import exact
 from funcreplay.core.sampling.uniform_lean import kth_occupied, positions
@@ -165,6 +165,7 @@ def sample(spec: TrajectorySpec, state: TrajectoryState, rng, *, batch_size: int
   ``Uniform``), ``times_sampled`` including this sample, ``version`` of the
   window's first step) and ``num_eligible``.
   """
+  bits.check_key(rng, "sample")
   b = batch_size
   if isinstance(b, bool) or not isinstance(b, int) or b < 1:
     raise ValueError(f"sample: batch_size must be a static int >= 1, got {b!r}.")
