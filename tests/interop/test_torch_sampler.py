@@ -197,3 +197,24 @@ def test_torch_sampler_bad_arguments():
   table.close()
 
 
+
+
+def test_torch_sampler_over_payload_and_ragged_tables_takes_table_sample():
+  """A table keeping payloads or ragged values refuses ``sample_packed``; the sampler
+  chose the packed path by the signature alone and failed on the first batch (found by a
+  review). It now samples with ``Table.sample``: payloads as a tuple, ragged leaves as
+  ``fr.RaggedBatch``."""
+  import jax
+  import jax.numpy as jnp
+  t = fr.Table(fr.TableSpec(8, {"obs": jax.ShapeDtypeStruct((3,), jnp.float32)}),
+               payloads=True)
+  t.insert({"obs": np.ones((4, 3), np.float32)}, payload=["a", "b", "c", "d"])
+  b = next(iter(frt.TorchSampler(t, 2, prefetch=0)))
+  assert tuple(b.data["obs"].shape) == (2, 3) and b.valid.all()
+  r = fr.Table(fr.TableSpec(8, {"tok": fr.Ragged(8, jnp.int32),
+                                "w": jax.ShapeDtypeStruct((), jnp.float32)}))
+  r.insert({"tok": [np.arange(3, dtype=np.int32), np.arange(5, dtype=np.int32)],
+            "w": np.ones((2,), np.float32)})
+  b = next(iter(frt.TorchSampler(r, 2, prefetch=0)))
+  assert isinstance(b.data["tok"], fr.RaggedBatch)
+  assert sorted(b.data["tok"].lengths.tolist()) == [3, 5] and tuple(b.data["w"].shape) == (2,)

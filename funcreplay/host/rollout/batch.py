@@ -67,6 +67,15 @@ def ragged_rows(r: Ragged, x, b: Optional[int], name: str, what: str):
   a list of 1-D arrays, ``(padded [B, L], lengths [B])`` or a ``RaggedBatch``."""
   if isinstance(x, RaggedBatch) and x.packed:
     flat, lengths = np.asarray(x.values), np.asarray(x.lengths)
+    # As the (padded, lengths) form: int lengths of one axis, none negative (a negative
+    # one made overlapping spans in the arena, a float one was truncated).
+    if flat.ndim != 1 or lengths.ndim != 1 or lengths.dtype.kind not in "iu":
+      raise ValueError(f"{what}: ragged leaf {name} as a packed RaggedBatch needs values "
+                       f"[N] and int lengths [B], got {flat.dtype.name}{list(flat.shape)} "
+                       f"and {lengths.dtype.name}{list(lengths.shape)}.")
+    if lengths.size and lengths.min() < 0:
+      raise ValueError(f"{what}: ragged leaf {name}: a packed RaggedBatch's lengths must be "
+                       f">= 0, got {int(lengths.min())}.")
     if lengths.sum() != flat.shape[0]:
       raise ValueError(f"{what}: ragged leaf {name}: a packed RaggedBatch's lengths sum to "
                        f"{int(lengths.sum())}, its values hold {flat.shape[0]}.")

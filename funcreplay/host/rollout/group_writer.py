@@ -63,6 +63,7 @@ def assemble_group(spec, group_size: int):
                        f"axis of the group size {group_size}, got {leaf}.")
 
   def assemble(responses):
+    """The group's item from its (checked, ``check_response``) responses, None for absent."""
     item = {}
     present = [r is not None for r in responses]
     for name, leaf in tree.items():
@@ -83,6 +84,65 @@ def assemble_group(spec, group_size: int):
     return item
 
   return assemble
+
+
+# Input dtype kinds each leaf kind takes (numpy dtype.kind): a response converts only
+# where no value changes (as Table.insert's rule for Python scalars).
+_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf", "c": "iufc"}
+
+
+def _lossless(value, dtype, what: str) -> np.ndarray:
+  """``value`` as an array of ``dtype`` if no value changes; else a clear error."""
+  a = np.asarray(value)
+  d = np.dtype(dtype)
+  if a.dtype == d:
+    return a
+  if a.dtype == object or a.dtype.kind not in _KINDS[d.kind]:
+    raise TypeError(f"{what}: expected {d.name} values, got {a.dtype.name}: converting would "
+                    f"change them. Cast it first (e.g. np.asarray(x, np.{d.name})).")
+  with np.errstate(over="ignore", invalid="ignore"):
+    b = a.astype(d)
+  if d.kind in "iu" and a.size:
+    info = np.iinfo(d)
+    if int(a.min()) < info.min or int(a.max()) > info.max:
+      raise ValueError(f"{what}: values in [{int(a.min())}, {int(a.max())}] do not fit "
+                       f"{d.name} ([{info.min}, {info.max}]).")
+  elif a.dtype.kind in "iu" and np.any(b.astype(a.dtype) != a):
+    raise ValueError(f"{what}: integers beyond {d.name}'s exact range would change.")
+  elif np.any(np.isfinite(a) & ~np.isfinite(b)):
+    raise ValueError(f"{what}: finite values beyond {d.name}'s range would become inf.")
+  return b
+
+
+def check_response(spec, group_size: int):
+  """``fn(response) -> response``: the default assembly's check of one response (a dict
+  with each group leaf's value for one member), its values converted losslessly to the
+  leaf dtypes; raises naming the leaf. ``GroupWriter.add`` runs it before taking the
+  response, so a bad one is refused where it is added."""
+  tree = spec.item_tree
+
+  def check(response):
+    if not isinstance(response, dict):
+      raise TypeError(f"GroupWriter.add: a response is a dict of leaf values, got "
+                      f"{type(response).__name__}.")
+    out = dict(response)
+    for name, leaf in tree.items():
+      if name == "mask" or (name.endswith("_lengths") and isinstance(tree.get(name[:-8]),
+                                                                      Ragged)):
+        continue
+      if name not in response:
+        raise ValueError(f"GroupWriter.add: the response has no leaf {name!r} (it has "
+                         f"{sorted(response)}).")
+      what = f"GroupWriter.add: leaf {name!r}"
+      want = (None,) if isinstance(leaf, Ragged) else tuple(leaf.shape[1:])
+      v = _lossless(response[name], leaf.dtype, what)
+      if (v.ndim != 1) if isinstance(leaf, Ragged) else (v.shape != want):
+        shape = "[n] (one member's values)" if isinstance(leaf, Ragged) else list(want)
+        raise ValueError(f"{what}: expected shape {shape}, got {list(v.shape)}.")
+      out[name] = v
+    return out
+
+  return check
 
 
 class _Group:
@@ -129,6 +189,10 @@ class GroupWriter:
     self._status = status_column
     self._values = (complete, partial)
     self._assemble = assemble or assemble_group(table.spec, group_size)
+    # The default assembly's responses are checked where added; a custom one's item is
+    # checked by the table's insert.
+    self._check = None if assemble else check_response(table.spec, group_size)
+    self._payloads = bool(getattr(table, "keeps_payloads", False))
     self._insert_timeout = insert_timeout
     self._groups: Dict[Hashable, _Group] = {}
     self._recent: collections.OrderedDict = collections.OrderedDict()
@@ -163,6 +227,11 @@ class GroupWriter:
     group is counted in ``stats().failed``.
     """
     self._raise_pending()
+    if payload is not None and not self._payloads:
+      raise ValueError("GroupWriter.add: a payload needs a table that keeps them, "
+                       "fr.Table(spec, payloads=True); this one would drop it.")
+    if self._check is not None:
+      response = self._check(response)
     with self._lock:
       # Under the lock, which close() takes to set the flag: a group begun here is then
       # always seen by close()'s flush (checked before the lock, one could be left behind).
@@ -235,7 +304,7 @@ class GroupWriter:
       if self._status is not None:
         meta[self._status] = self._values[0 if complete else 1]
       kwargs = dict(version=grp.version, metadata=meta, timeout=self._insert_timeout)
-      if getattr(self._table, "keeps_payloads", False):
+      if self._payloads:
         kwargs["payload"] = [list(grp.payloads[:grp.n])]
       self._table.insert(item, **kwargs)
     except BaseException:

@@ -320,7 +320,10 @@ class TorchSampler(torch_data.IterableDataset):
     """
     if self._packed is None:
       spec = getattr(self.table, "spec", None)
+      # Ragged values and payloads live on the host beside the state: only
+      # ``Table.sample`` returns them (``sample_packed`` refuses such tables).
       self._packed = (hasattr(self.table, "sample_packed") and spec is not None
+                      and not spec.ragged and not getattr(self.table, "keeps_payloads", False)
                       and packing.packable(spec.signature) is None
                       and unsupported(packing.layout(spec.signature, rows)) is None)
       self._in_place = (self._packed and self.where is None

@@ -93,6 +93,39 @@ def test_close_flushes_and_bad_arguments():
     w.add(2, response(2, 0))
 
 
+def test_responses_convert_only_losslessly_and_payloads_need_a_table_that_keeps_them():
+  """A response is checked where it is added, as ``Table.insert`` checks items: float
+  tokens, an int64 beyond int32 and a float for an int leaf were cast silently, and a
+  payload for a table without payloads dropped (found by a review)."""
+  spec = fr.TableSpec(8, {"tokens": fr.Ragged(64, jnp.int32),
+                          "tokens_lengths": jax.ShapeDtypeStruct((2,), jnp.int32),
+                          "reward": jax.ShapeDtypeStruct((2,), jnp.int32),
+                          "mask": jax.ShapeDtypeStruct((2,), bool)},
+                      sampler=fr.Fifo(), metadata=(fr.Column("status", vocab=("completed",
+                                                                             "aborted")),))
+  t = fr.Table(spec)
+  w = fr.GroupWriter(t, 2)
+  for bad, err, match in [
+      ({"tokens": np.array([0.7, 1.9]), "reward": 1}, TypeError,
+       r"leaf 'tokens': expected int32 values, got float64"),
+      ({"tokens": np.array([2**31 + 3]), "reward": 1}, ValueError, r"'tokens': values in .* do "
+                                                                   r"not fit int32"),
+      ({"tokens": [1, 2], "reward": 0.9}, TypeError, r"'reward': expected int32 values"),
+      ({"tokens": [[1, 2]], "reward": 1}, ValueError, r"'tokens': expected shape \[n\]"),
+      ({"tokens": [1, 2]}, ValueError, r"the response has no leaf 'reward'"),
+  ]:
+    with pytest.raises(err, match=match):
+      w.add("g", bad)
+  with pytest.raises(ValueError, match=r"payload needs a table that keeps them"):
+    w.add("g", {"tokens": [1, 2], "reward": 1}, payload="ref")
+  assert w.stats().responses == 0  # none of them was taken
+  w.add("g", {"tokens": [1, 2], "reward": 1})             # Python ints: lossless
+  w.add("g", {"tokens": np.array([3], np.int64), "reward": np.uint8(2)})
+  w.close()
+  s = t.peek(1, ragged="packed")
+  assert s.data["tokens"].values.tolist() == [1, 2, 3] and s.data["reward"].tolist() == [[1, 2]]
+
+
 class FailingTable:
   """A ``Table`` whose next ``fail`` inserts raise (a full table, a dead actor...)."""
 

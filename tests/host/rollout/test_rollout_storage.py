@@ -160,6 +160,13 @@ def test_ragged_bad_input_leaves_table_intact():
     t.insert(batch([3]), metadata={"task": "poetry"})
   with pytest.raises(TypeError, match="Ragged leaves"):
     t.ingestor()
+  # A packed RaggedBatch's lengths as the (padded, lengths) form's: a negative length made
+  # overlapping spans in the arena (found by a review), a float one lost values.
+  vals = np.arange(2, dtype=np.int32)
+  with pytest.raises(ValueError, match=r"lengths must be >= 0, got -1"):
+    t.insert({**batch([1, 1]), "tokens": fr.RaggedBatch(vals, np.array([-1, 3]), None)})
+  with pytest.raises(ValueError, match=r"int lengths \[B\], got .* and float64\[2\]"):
+    t.insert({**batch([1, 1]), "tokens": fr.RaggedBatch(vals, np.array([1.0, 1.0]), None)})
   assert (len(t), t.stats().to_dict(), t._sidecars.arenas[0].live) == before
   t._sidecars.arenas[0].check()
 
