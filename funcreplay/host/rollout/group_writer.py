@@ -95,8 +95,8 @@ def _lossless(value, dtype, what: str) -> np.ndarray:
   """``value`` as an array of ``dtype`` if no value changes; else a clear error."""
   a = np.asarray(value)
   d = np.dtype(dtype)
-  if a.dtype == d:
-    return a
+  if a.dtype == d or (a.size == 0 and a.dtype != object):  # ([] is float64: no value)
+    return a.astype(d, copy=False)
   if a.dtype == object or a.dtype.kind not in _KINDS[d.kind]:
     raise TypeError(f"{what}: expected {d.name} values, got {a.dtype.name}: converting would "
                     f"change them. Cast it first (e.g. np.asarray(x, np.{d.name})).")

@@ -121,9 +121,11 @@ def test_responses_convert_only_losslessly_and_payloads_need_a_table_that_keeps_
   assert w.stats().responses == 0  # none of them was taken
   w.add("g", {"tokens": [1, 2], "reward": 1})             # Python ints: lossless
   w.add("g", {"tokens": np.array([3], np.int64), "reward": np.uint8(2)})
+  w.add("h", {"tokens": [], "reward": 3})                # no tokens: an empty list
   w.close()
-  s = t.peek(1, ragged="packed")
-  assert s.data["tokens"].values.tolist() == [1, 2, 3] and s.data["reward"].tolist() == [[1, 2]]
+  s = t.peek(2, ragged="packed")
+  assert s.data["tokens"].values.tolist() == [1, 2, 3]
+  assert s.data["reward"].tolist() == [[1, 2], [3, 0]]
 
 
 class FailingTable:
