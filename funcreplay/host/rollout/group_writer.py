@@ -114,7 +114,7 @@ def _lossless(value, dtype, what: str) -> np.ndarray:
   return b
 
 
-def check_response(spec, group_size: int):
+def check_response(spec):
   """``fn(response) -> response``: the default assembly's check of one response (a dict
   with each group leaf's value for one member), its values converted losslessly to the
   leaf dtypes; raises naming the leaf. ``GroupWriter.add`` runs it before taking the
@@ -191,7 +191,7 @@ class GroupWriter:
     self._assemble = assemble or assemble_group(table.spec, group_size)
     # The default assembly's responses are checked where added; a custom one's item is
     # checked by the table's insert.
-    self._check = None if assemble else check_response(table.spec, group_size)
+    self._check = None if assemble else check_response(table.spec)
     self._payloads = bool(getattr(table, "keeps_payloads", False))
     self._insert_timeout = insert_timeout
     self._groups: Dict[Hashable, _Group] = {}
