@@ -199,6 +199,8 @@ class GroupWriter:
     self._stats = GroupStats()
     self._inserting = 0  # groups taken out of _groups whose insert has not ended
     self._lock = threading.Lock()
+    # Notified when an insert ends (``_inserting`` falls): close() waits for those in flight.
+    self._inserted = threading.Condition(self._lock)
     self._error: Optional[BaseException] = None
     self._closed = threading.Event()
     self._thread = None
@@ -273,7 +275,11 @@ class GroupWriter:
     return len(groups)
 
   def close(self, flush: bool = True) -> None:
-    """Stop the deadline thread; insert (``flush=True``) or drop the incomplete groups."""
+    """Stop the deadline thread; insert (``flush=True``) or drop the incomplete groups.
+
+    Returns once every group's insert has ended, those that other threads' ``add`` calls
+    began included (each waits at most ``insert_timeout``; a ``TimeoutError`` says how
+    many are still running after it)."""
     with self._lock:  # see add
       if self._closed.is_set():
         return
@@ -282,6 +288,11 @@ class GroupWriter:
       self._thread.join(timeout=10.0)
     if flush:
       self.flush()
+    limit = None if self._insert_timeout is None else self._insert_timeout + 1.0
+    with self._inserted:
+      if not self._inserted.wait_for(lambda: self._inserting == 0, timeout=limit):
+        raise TimeoutError(f"GroupWriter.close: {self._inserting} group inserts begun by "
+                           f"other threads still running after {limit} s.")
     self._raise_pending()
 
   def stats(self) -> GroupStats:
@@ -313,9 +324,11 @@ class GroupWriter:
       with self._lock:
         self._inserting -= 1
         self._stats.failed += 1
+        self._inserted.notify_all()
       raise
     with self._lock:
       self._inserting -= 1
+      self._inserted.notify_all()
       if complete:
         self._stats.complete += 1
       else:

@@ -147,6 +147,34 @@ def accounted(w, begun):
   return s
 
 
+class SlowTable:
+  """A ``Table`` whose inserts take ``delay`` seconds (a rate limiter, a remote actor)."""
+
+  def __init__(self, table, delay):
+    self.table, self.spec, self.delay = table, table.spec, delay
+    self.started = threading.Event()
+
+  def insert(self, items, **kw):
+    self.started.set()
+    time.sleep(self.delay)
+    self.table.insert(items, **kw)
+
+
+def test_close_waits_for_inserts_other_threads_began():
+  """An ``add`` that completes a group inserts it outside the writer's lock; ``close()``
+  returned while such an insert was still running (found by a review): it now waits."""
+  t = SlowTable(fr.Table(SPEC), delay=0.3)
+  w = fr.GroupWriter(t, G)
+  for i in range(G - 1):
+    w.add("a", response(1, i))
+  th = threading.Thread(target=w.add, args=("a", response(1, G - 1)))
+  th.start()
+  assert t.started.wait(timeout=10)
+  w.close()
+  assert len(t.table) == 1 and w.stats().pending == 0 and w.stats().complete == 1
+  th.join(timeout=10)
+
+
 def test_a_failed_insert_is_counted_and_raised():
   t = FailingTable(fr.Table(SPEC))
   w = fr.GroupWriter(t, G)
