@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcreplay.core import counters as ctr
+from funcreplay.core import staleness
 from funcreplay.core.trajectory import index, prioritized, rows
 from funcreplay.core.trajectory.spec import TrajectorySpec
 from funcreplay.core.trajectory.state import TrajectoryState
@@ -108,7 +109,7 @@ def add(spec: TrajectorySpec, state: TrajectoryState, steps, *, version=0, mask=
                      "(windows ignore episodes); build it with cross_episodes=False.")
   first = _first_flags(spec, first, t)
   mask = jnp.ones((e,), bool) if mask is None else _vector(mask, e, jnp.bool_, "mask")
-  version = jnp.asarray(version, jnp.int32)
+  version = staleness.as_version(version, "add: version")
   if version.shape:
     raise ValueError(f"add: version must be a scalar int, got shape {list(version.shape)}.")
   head, filled = state.head, state.filled

@@ -209,6 +209,10 @@ def test_bad_input_is_named():
     table.add(state, steps_of(np.zeros((4, 2))), mask=jnp.ones((3,), bool))
   with pytest.raises(ValueError, match=r"first must be bool\[num_envs=4, t=2\]"):
     table.add(state, steps_of(np.zeros((4, 2))), first=jnp.ones((4, 3), bool))
+  with pytest.raises(TypeError, match=r"add: version must be an integer"):  # was truncated
+    table.add(state, steps_of(np.zeros((4, 2))), version=2.5)
+  with pytest.raises(ValueError, match=r"add: version must fit int32"):
+    table.add(state, steps_of(np.zeros((4, 2))), version=2**31)
   with pytest.raises(ValueError, match="sequence_length=17 exceeds time_capacity=16"):
     fr.TrajectorySpec(4, 16, 17, 1, STEP)
   with pytest.raises(ValueError, match="multiple of period=3"):
