@@ -37,7 +37,8 @@ from funcreplay.ray.writer import RemoteWriter
 
 def connect(name: str, spec: Optional[TableSpec] = None, *, namespace: Optional[str] = None,
             checkpoint_dir: Optional[str] = None, checkpoint_every_s: Optional[float] = None,
-            checkpoint_every_inserts: Optional[int] = None, checkpoint_keep_last: int = 3,
+            checkpoint_every_inserts: Optional[int] = None,
+            checkpoint_keep_last: Optional[int] = None,
             seed: int = 0, rpc_timeout: float = RPC_TIMEOUT_S,
             **actor_options) -> "RemoteTable":
   """A ``RemoteTable`` for the replay actor ``name`` (created if ``spec`` is given and it is
@@ -55,7 +56,9 @@ def connect(name: str, spec: Optional[TableSpec] = None, *, namespace: Optional[
     checkpoint_dir: directory of numbered checkpoints: on start (and on every restart
       after a crash, ``max_restarts=``) the actor restores the newest one there.
     checkpoint_every_s / checkpoint_every_inserts: run a ``PeriodicCheckpointer`` into
-      ``checkpoint_dir``; ``checkpoint_keep_last`` checkpoints are kept.
+      ``checkpoint_dir``; ``checkpoint_keep_last`` checkpoints are kept (None: 3). These
+      apply when the actor is created; given for an actor that exists with others, they
+      are named in a ``RuntimeWarning`` (the actor's hold).
     seed: the table's PRNG seed (a restored table continues its saved key).
     rpc_timeout: seconds to wait for replies to calls that do not wait on the table.
     **actor_options: Ray actor options (``num_cpus``, ``num_gpus``, ``resources``,
@@ -95,14 +98,32 @@ def connect(name: str, spec: Optional[TableSpec] = None, *, namespace: Optional[
         spec_to_json(spec), name, checkpoint_dir=checkpoint_dir,
         checkpoint_every_s=checkpoint_every_s,
         checkpoint_every_inserts=checkpoint_every_inserts,
-        checkpoint_keep_last=checkpoint_keep_last, seed=seed)
+        checkpoint_keep_last=3 if checkpoint_keep_last is None else checkpoint_keep_last,
+        seed=seed)
   info = wait_reply(handle.info.remote(), rpc_timeout, "funcreplay.ray.connect", name)
   if spec is not None and spec_to_json(spec) != info["spec_json"]:
     raise ValueError(f"funcreplay.ray.connect: a replay actor named {name!r} already exists in "
                      f"{where} with another spec.\n  theirs: {spec_from_json(info['spec_json'])}"
                      f"\n  yours:  {spec}\n"
                      "Attach with spec=None, or use another name.")
+  if spec is not None:
+    _warn_ignored_checkpointing(name, info, dict(
+        checkpoint_dir=checkpoint_dir, checkpoint_every_s=checkpoint_every_s,
+        checkpoint_every_inserts=checkpoint_every_inserts,
+        checkpoint_keep_last=checkpoint_keep_last))
   return RemoteTable(handle, name, namespace, info, rpc_timeout)
+
+
+def _warn_ignored_checkpointing(name: str, info: dict, given: dict) -> None:
+  """Get-or-create found the actor made already: the checkpoint options it was made with
+  hold, and a caller's other ones (given, not None) would go unused without a word."""
+  theirs = info.get("checkpoint_options", {})
+  differ = {k: v for k, v in given.items() if v is not None and theirs.get(k) != v}
+  if differ:
+    import warnings
+    warnings.warn(f"funcreplay.ray.connect: the replay actor {name!r} exists already; its "
+                  f"checkpoint options {theirs} hold, yours {differ} are not applied (they "
+                  "apply when the actor is created).", RuntimeWarning, stacklevel=3)
 
 
 class RemoteTable:

@@ -122,6 +122,10 @@ class TableServer:
     self._ckpt = None
     self._ckpt_dir = checkpoint_dir
     self._keep_last = checkpoint_keep_last
+    # What connect() compares a later caller's checkpoint options with (info()).
+    self._ckpt_options = dict(checkpoint_dir=checkpoint_dir, checkpoint_every_s=checkpoint_every_s,
+                              checkpoint_every_inserts=checkpoint_every_inserts,
+                              checkpoint_keep_last=checkpoint_keep_last)
     if checkpoint_dir and (checkpoint_every_s or checkpoint_every_inserts):
       self._ckpt = PeriodicCheckpointer(self._table, checkpoint_dir, every_s=checkpoint_every_s,
                                         every_inserts=checkpoint_every_inserts,
@@ -211,7 +215,8 @@ class TableServer:
     return dict(name=self._name, spec_json=self._spec_json,
                 pid=os.getpid(), node_id=ctx.get_node_id(), restarted=restarted,
                 restored_from=self._restored_from, version=self._table.version,
-                size=self._table.size, started=self._started)
+                size=self._table.size, started=self._started,
+                checkpoint_options=dict(self._ckpt_options))
 
   def update_priorities(self, slots, keys, priorities) -> None:
     self._table.update_priorities(slots, keys, priorities)

@@ -10,6 +10,7 @@ and the clients on top: test_ray_faults.py.
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -45,6 +46,13 @@ def test_connect_creates_attaches_and_refuses():
     frr.connect("shared", spec(capacity=512))
   with pytest.raises(ValueError, match="only applies when creating"):
     frr.connect("shared", checkpoint_dir="/tmp/x")
+  # Get-or-create of an existing actor: checkpoint options that would go unused are named.
+  with pytest.warns(RuntimeWarning, match=r"exists already; its checkpoint options .* yours "
+                                          r"\{'checkpoint_dir': '/tmp/x'\} are not applied"):
+    frr.connect("shared", spec(), checkpoint_dir="/tmp/x")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    frr.connect("shared", spec())                    # nothing given: nothing ignored
   with pytest.raises(TypeError, match="spec must be a TableSpec"):
     frr.connect("other", {"obs": 1})
   ragged = fr.TableSpec(8, {"tokens": fr.Ragged(16, np.int32), "step": ITEM["step"]})
