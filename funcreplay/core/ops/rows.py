@@ -28,9 +28,11 @@ def batch_size(spec: TableSpec, items) -> int:
   return sizes.pop()
 
 
-# Input dtype kinds a row of each target dtype takes: a float version or metadata value
-# would be truncated, a float mask or a bool priority read as something else.
-_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
+# Input dtype kinds a row of each target dtype takes (and their names for the error): a
+# float version or metadata value would be truncated, a float mask or a bool priority read
+# as something else.
+_KINDS = {"b": ("b", "bools"), "i": ("iu", "integers"), "u": ("iu", "integers"),
+          "f": ("iuf", "real numbers")}
 
 
 def rows(x, b, dtype, name):
@@ -43,16 +45,14 @@ def rows(x, b, dtype, name):
   for integer rows, bools for a mask, real numbers for priorities), and host integers
   beyond an integer ``dtype``'s range (they would wrap)."""
   host = isinstance(x, (bool, int, float, np.ndarray, np.generic))
-  kind = (np.asarray(x) if host else jnp.asarray(x)).dtype.kind
-  if kind not in _KINDS[np.dtype(dtype).kind]:
-    want = {"b": "bools", "i": "integers", "u": "integers", "f": "real numbers"}
-    raise TypeError(f"{name} must be {want[np.dtype(dtype).kind]}, got "
-                    f"{(np.asarray(x) if host else jnp.asarray(x)).dtype}.")
-  if host and kind in "iu" and np.dtype(dtype).kind in "iu" and np.asarray(x).size:
-    v, info = np.asarray(x), np.iinfo(dtype)
-    if int(v.min()) < info.min or int(v.max()) > info.max:
-      raise ValueError(f"{name} must fit {np.dtype(dtype).name}, got values in "
-                       f"[{int(v.min())}, {int(v.max())}].")
+  given, target = (np.asarray(x) if host else jnp.asarray(x)), np.dtype(dtype)
+  kinds, names = _KINDS[target.kind]
+  if given.dtype.kind not in kinds:
+    raise TypeError(f"{name} must be {names}, got {given.dtype}.")
+  if host and given.dtype.kind in "iu" and target.kind in "iu" and given.size:
+    lo, hi, info = int(given.min()), int(given.max()), np.iinfo(target)
+    if lo < info.min or hi > info.max:
+      raise ValueError(f"{name} must fit {target.name}, got values in [{lo}, {hi}].")
   checked = jnp.asarray(x)  # the checks (shape) of any input
   if checked.ndim not in (0, 1) or (checked.ndim == 1 and checked.shape[0] != b):
     raise ValueError(f"{name} must be a scalar or have shape [{b}], got "
