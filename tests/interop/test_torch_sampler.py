@@ -218,3 +218,30 @@ def test_torch_sampler_over_payload_and_ragged_tables_takes_table_sample():
   b = next(iter(frt.TorchSampler(r, 2, prefetch=0)))
   assert isinstance(b.data["tok"], fr.RaggedBatch)
   assert sorted(b.data["tok"].lengths.tolist()) == [3, 5] and tuple(b.data["w"].shape) == (2,)
+
+
+def test_ragged_leaves_in_torch_give_masks_and_rows_as_tensors():
+  """A ragged leaf crosses to torch as ``frt.TorchRaggedBatch``: its ``mask`` and
+  ``rows()`` are tensors (the numpy ``RaggedBatch`` methods gave numpy arrays for torch
+  values, and would fail for values on a GPU), padded and packed alike."""
+  import jax
+  import jax.numpy as jnp
+  r = fr.Table(fr.TableSpec(8, {"tok": fr.Ragged(8, jnp.int32),
+                                "w": jax.ShapeDtypeStruct((), jnp.float32)}))
+  r.insert({"tok": [np.arange(3, dtype=np.int32), np.arange(5, dtype=np.int32)],
+            "w": np.ones((2,), np.float32)})
+  b = next(iter(frt.TorchSampler(r, 2, prefetch=0)))
+  tok = b.data["tok"]
+  assert isinstance(tok, frt.TorchRaggedBatch) and isinstance(tok, fr.RaggedBatch)
+  assert isinstance(tok.mask, torch.Tensor) and tok.mask.dtype == torch.bool
+  assert tok.mask.sum(1).tolist() == tok.lengths.tolist()
+  rows = tok.rows()
+  assert all(isinstance(x, torch.Tensor) for x in rows)
+  assert sorted(x.tolist() for x in rows) == [[0, 1, 2], [0, 1, 2, 3, 4]]
+  assert isinstance(b.to("cpu").data["tok"], frt.TorchRaggedBatch)
+  packed = frt.to_torch(r.sample(2, ragged="packed").data["tok"], on_copy="ignore")
+  assert isinstance(packed, frt.TorchRaggedBatch) and packed.packed
+  assert sorted(x.tolist() for x in packed.rows()) == [[0, 1, 2], [0, 1, 2, 3, 4]]
+  with pytest.raises(ValueError, match="packed"):
+    packed.mask  # noqa: B018
+  r.close()

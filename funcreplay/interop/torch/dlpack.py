@@ -18,11 +18,42 @@ import numpy as np
 import torch
 
 from funcreplay.core.state import TableState
+from funcreplay.host.rollout.batch import RaggedBatch
 
 OnCopy = str  # "ignore" | "warn" | "raise"
 _ON_COPY = ("ignore", "warn", "raise")
 _X64_NARROW = {torch.int64: torch.int32, torch.uint64: torch.uint32,
                torch.float64: torch.float32, torch.complex128: torch.complex64}
+
+
+class TorchRaggedBatch(RaggedBatch):
+  """A ``RaggedBatch`` of torch tensors: what a ragged leaf becomes in torch (``to_torch``,
+  ``TorchSampler``). ``mask`` and ``rows`` are tensors on the values' device (the
+  numpy ``RaggedBatch``'s would be numpy arrays, and fail for a GPU tensor)."""
+
+  __slots__ = ()
+
+  @property
+  def mask(self) -> torch.Tensor:
+    """bool[B, max_len]: True on the real values of a padded batch."""
+    if self.packed:
+      raise ValueError("RaggedBatch.mask: a packed batch has no padding; use offsets.")
+    at = torch.arange(self.values.shape[1], device=self.values.device)
+    return at[None, :] < self.lengths.to(self.values.device)[:, None]
+
+  def rows(self) -> list:
+    """The rows as a list of 1-D tensors (views of packed values; copies for padded ones)."""
+    if self.packed:
+      bounds = self.offsets.tolist()
+      return [self.values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    return [v[:n].clone() for v, n in zip(self.values, self.lengths.tolist())]
+
+
+def _torch_ragged(tree):
+  """``tree`` with each ``RaggedBatch`` (of tensors) as a ``TorchRaggedBatch``."""
+  is_ragged = lambda x: isinstance(x, RaggedBatch)  # noqa: E731
+  return jax.tree_util.tree_map(lambda x: TorchRaggedBatch(*x) if is_ragged(x) else x, tree,
+                                is_leaf=is_ragged)
 
 
 class BridgeCopyWarning(UserWarning):
@@ -184,7 +215,8 @@ def to_torch_with_report(tree: Any, *, device=None,
       t, ok = move(t, dev, non_blocking), False
     out.append(t)
     shared += ok
-  return jax.tree_util.tree_unflatten(treedef, out), _report(len(leaves), shared, copies, paths)
+  return (_torch_ragged(jax.tree_util.tree_unflatten(treedef, out)),
+          _report(len(leaves), shared, copies, paths))
 
 
 def to_torch(tree: Any, *, device=None, on_copy: OnCopy = "warn",
