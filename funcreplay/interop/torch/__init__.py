@@ -84,8 +84,9 @@ from funcreplay.interop.torch.remote import RemoteTorchSampler
 from funcreplay.interop.torch.sampler import TorchSampler
 
 __all__ = [
-    "BridgeCopyWarning", "TransferReport", "TorchRaggedBatch", "to_torch", "to_torch_with_report", "from_torch",
-    "from_torch_with_report", "TorchInfo", "TorchBatch", "sample_to_torch", "TorchSampler",
+    "BridgeCopyWarning", "TransferReport", "TorchRaggedBatch", "to_torch",
+    "to_torch_with_report", "from_torch", "from_torch_with_report", "TorchInfo", "TorchBatch",
+    "sample_to_torch", "TorchSampler",
     "update_priorities", "priorities_to_numpy", "packed_to_torch", "packed_batches",
     "RemoteTorchSampler",
 ]
