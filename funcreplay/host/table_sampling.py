@@ -133,6 +133,13 @@ class SamplingMixin:
     return out
 
   @property
+  def native(self) -> bool:
+    """True if this table runs the native CPU kernels' programs (its ``native``
+    argument, None resolved by ``FUNCREPLAY_NATIVE``); ``Table(spec, native=t.native)``
+    shares them."""
+    return self._ops.native
+
+  @property
   def samples_in_place(self) -> bool:
     """True if ``sample_packed(..., out=buf)`` writes the batch straight into ``buf``
     without a jitted call (a CPU table on the native kernels; ``where=None``;
@@ -202,10 +209,14 @@ class SamplingMixin:
     deadline = None if timeout is None else time.monotonic() + timeout
     with self._cond:
       direct = self._direct_sampler() if out is not None and where is None else None
-      if direct is None:
-        ver = self._device_int("version", ver_int)
       while True:
         self._check_open("sample")
+        if version is None:
+          # The table's version now: a ``set_version`` while this call waits (it wakes
+          # the waiters) makes the items it leaves behind stale for this call too.
+          ver_int = self._version
+        if direct is None:
+          ver = self._device_int("version", ver_int)
         if direct is not None:
           self._settle(direct)
           ok, limiter_ok, cnt = direct.sample(

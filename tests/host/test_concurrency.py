@@ -228,3 +228,36 @@ def test_queue_and_stack_order_under_threads(kind):
       assert [g for g in got if g // 100 == p + 1] == [100 * (p + 1) + i for i in range(n)]
   with pytest.raises(TimeoutError):
     t.sample(1, timeout=0.01)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["sample", "sample_packed", "take_batch"])
+def test_a_waiting_sample_sees_the_tables_version_move(call):
+  """A sample blocked for eligible items judges staleness at the table's version when it
+  wakes, not at the version it started with: after ``set_version(10)``, items inserted
+  at version 0 are stale (max_staleness 2) and the call keeps waiting (it returned them;
+  found by a review); fresh ones end the wait."""
+  spec = fr.TableSpec(16, ITEM, max_staleness=2, metadata=("task",))
+  t = Table(spec)
+  got = {}
+
+  def learner():
+    if call == "take_batch":
+      got["v"] = t.take_batch({0: 2}, column="task", timeout=30)[0].info.version
+    elif call == "sample_packed":
+      got["v"] = t.sample_packed(2, timeout=30).numpy().info.version
+    else:
+      got["v"] = t.sample(2, timeout=30).info.version
+
+  th = threading.Thread(target=learner, daemon=True)
+  th.start()
+  time.sleep(0.3)
+  t.set_version(10)
+  t.insert(rows([0, 1]), version=0, metadata={"task": [0, 0]})
+  th.join(0.5)
+  assert th.is_alive(), f"{call} returned stale items: versions {got.get('v')}"
+  t.insert(rows([2, 3]), version=9, metadata={"task": [0, 0]})
+  th.join(20)
+  assert not th.is_alive()
+  assert np.asarray(got["v"]).tolist() == [9, 9]
+  t.close()

@@ -285,6 +285,25 @@ def test_bad_out_is_refused_and_table_intact(bad, err, match):
   _assert_same_state(direct, ref)
 
 
+@pytest.mark.timeout(60)
+def test_a_refused_sample_leaves_the_callers_buffer_as_it_was():
+  """A sample that ``min_valid`` (or the limiter) refuses writes nothing into ``out``:
+  the direct kernel wrote an all-invalid batch there, over the batch of the caller's
+  previous call, before the call timed out (the jitted path copies only on success;
+  found by a review). Both paths; the state and key stay untouched."""
+  direct, ref = _tables("uniform ring")
+  for t in (direct, ref):
+    t.insert(_batch(2, 0))
+    buf = _out(t, 3)
+    assert int(np.sum(t.sample_packed(3, out=buf, min_valid=2).numpy().valid)) == 2
+    kept = buf.copy()
+    with pytest.raises(TimeoutError, match="min_valid=3"):
+      t.sample_packed(3, out=buf, timeout=0.0)  # 2 eligible items, 3 rows wanted
+    np.testing.assert_array_equal(buf, kept)
+  _sample_both(direct, ref, 2)
+  _assert_same_state(direct, ref)
+
+
 def test_torch_out_is_written_in_place():
   direct, _ = _tables("uniform ring")
   direct.insert(_batch(10, 0))

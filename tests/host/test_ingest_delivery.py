@@ -141,3 +141,31 @@ def test_warmup_compiles_without_touching_the_table():
   with t.ingestor(batch_size=4) as ing:
     assert ing.warmup() == 3  # buckets 1, 2, 4
   assert_ids(t, [7])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("native", [False, True, None])
+def test_warmup_compiles_the_tables_own_programs(native):
+  """``warmup`` compiles the programs of the table's own executor: its scratch table was
+  built without the table's ``native``, so a ``native=False`` table's first insert of a
+  new bucket still traced and compiled (found by a review). After it, inserts of every
+  bucket trace nothing."""
+  from jax._src import dispatch  # the event name JAX reports each trace under
+  t = Table(PLAIN, native=native)
+  assert t.native in (True, False) and (native is None or t.native is native)
+  with t.ingestor(batch_size=4) as ing:
+    ing.warmup()
+  traces = []
+
+  def listen(event, *_, **__):
+    if event == dispatch.JAXPR_TRACE_EVENT:
+      traces.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    for n in (1, 2, 3, 4):
+      t.insert(jax.tree_util.tree_map(lambda a, n=n: np.stack([a] * n), item(n)))
+    len(t)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert traces == []
+  t.close()

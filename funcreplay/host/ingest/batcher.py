@@ -31,7 +31,9 @@ class Batcher:
 
     Returns the number of buckets compiled.
     """
-    scratch = type(self._table)(self._spec)  # a Table of the same class and spec
+    # A Table of the same class, spec and executor (the compiled programs are shared
+    # per spec and executor: another executor's would leave the table's uncompiled).
+    scratch = type(self._table)(self._spec, native=getattr(self._table, "native", None))
     try:
       sizes, k = [], 1
       while k < self._batch_size:

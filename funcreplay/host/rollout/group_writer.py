@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import threading
 import time
 from typing import Any, Callable, Dict, Hashable, Optional
@@ -31,6 +32,7 @@ from typing import Any, Callable, Dict, Hashable, Optional
 import numpy as np
 
 from funcreplay.core.columns import Ragged
+from funcreplay.host.validation import check_timeout
 
 RECENT = 65_536  # completed group ids remembered to recognise late responses
 
@@ -180,6 +182,17 @@ class GroupWriter:
       raise ValueError(f"GroupWriter: group_size must be an int >= 1, got {group_size!r}.")
     if timeout_s is not None and not timeout_s > 0:
       raise ValueError(f"GroupWriter: timeout_s must be None or > 0, got {timeout_s!r}.")
+    # Checked here, not first by the insert of the first group to complete (which raised,
+    # and that group was lost); a poll of 0 s made the deadline thread spin a core.
+    try:
+      insert_timeout = check_timeout(insert_timeout)
+    except ValueError:
+      raise ValueError(f"GroupWriter: insert_timeout must be None (wait forever) or a number "
+                       f"of seconds >= 0, got {insert_timeout!r}.") from None
+    if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) \
+        or not 0 < poll_s < math.inf:
+      raise ValueError(f"GroupWriter: poll_s must be a finite number of seconds > 0, got "
+                       f"{poll_s!r}.")
     if status_column is not None and status_column not in table.spec.metadata:
       raise ValueError(f"GroupWriter: status_column {status_column!r} is not a metadata column "
                        f"of the table ({list(table.spec.metadata)}); pass status_column=None.")

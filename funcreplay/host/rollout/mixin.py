@@ -162,6 +162,8 @@ class RolloutMixin:
     with self._cond:
       while True:
         self._check_open("take_batch")
+        if version is None:  # the table's version now, as ``Table.sample``'s wait
+          v = self._query_version(None, what)
         # Only the random samplers draw: a deterministic order needs no key (and a split
         # is a dispatch of its own).
         rng, sub = (self._rng, None) if ordered else jax.random.split(self._rng)

@@ -159,6 +159,8 @@ extern "C" const char* funcreplay_direct_layout(int which) {
 // Samples cfg.batch rows into cfg.out (packed layout) and updates the state in
 // place, exactly as the jitted Table sample with the native kernel; cfg.flags
 // gets ok, rate limiter ok, eligible count, as that program returns them.
+// Not ok (the limiter or min_valid refused): cfg.out, the key and the state are
+// left untouched.
 // Returns 0, or 1 (ABI mismatch), 2 (ledger layout), 3 (packed layout): the
 // state is untouched in those cases.
 extern "C" int funcreplay_direct_sample(const DirectSample* cfg_ptr) {
@@ -217,11 +219,16 @@ extern "C" int funcreplay_direct_sample(const DirectSample* cfg_ptr) {
     limiter_ok = limiter_ok && diff - cfg.q * n_valid >= cfg.q_min;
   }
   const bool ok = limiter_ok && cnt >= cfg.min_valid;
-  job.enabled = ok;
-  RunSample(job);  // the prologue already ran: its results are kept
-  std::memcpy(columns[7], &cnt, sizeof cnt);
-  cfg.key[0] = job.next_key[0];
-  cfg.key[1] = job.next_key[1];
+  if (ok) {
+    // Refused: nothing runs, so the caller's buffer (``out``, which may hold the batch
+    // of an earlier call) and the key stay as they were; the jitted path copies a batch
+    // into ``out`` only on success too (host/table_sampling.py).
+    job.enabled = true;
+    RunSample(job);  // the prologue already ran: its results are kept
+    std::memcpy(columns[7], &cnt, sizeof cnt);
+    cfg.key[0] = job.next_key[0];
+    cfg.key[1] = job.next_key[1];
+  }
   cfg.flags[0] = ok ? 1 : 0;
   cfg.flags[1] = limiter_ok ? 1 : 0;
   cfg.flags[2] = cnt;

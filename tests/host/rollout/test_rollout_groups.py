@@ -86,6 +86,15 @@ def test_close_flushes_and_bad_arguments():
     fr.GroupWriter(t, G, status_column="state")
   with pytest.raises(ValueError, match="group_size"):
     fr.GroupWriter(t, 0)
+  # Refused up front: a bad insert_timeout raised only in the insert of the first group
+  # to complete (and that group was lost); a poll of 0 s spun a core (found by a review).
+  for bad in (-1, float("nan"), "1"):
+    with pytest.raises(ValueError, match="insert_timeout must be None"):
+      fr.GroupWriter(t, G, insert_timeout=bad)
+  for bad in (0, -1, float("nan"), float("inf"), True, None):
+    with pytest.raises(ValueError, match="poll_s must be a finite number of seconds > 0"):
+      fr.GroupWriter(t, G, timeout_s=1.0, poll_s=bad)
+  assert len(t) == 0
   with fr.GroupWriter(t, G) as w:
     w.add(1, response(1, 0))
   assert len(t) == 1 and w.stats().partial == 1
