@@ -109,9 +109,12 @@ def sample_global(ctx, state: TableState, rng, *, batch_size: int, version=None,
       remaining = jnp.maximum(total - before, w_item)  # float drift: never below w_k
       gaps = jax.random.exponential(k_race, (m,)) / jnp.maximum(remaining, numerics.TINY)
       t = jnp.where(valid, jnp.cumsum(gaps), jnp.inf)
-      # A shard that filled all M rows may have had earlier arrivals after
-      # t[M-1]: only times up to the smallest such cutoff are exact.
-      cutoff = jnp.where(valid[m - 1], t[m - 1], jnp.inf)
+      # A shard that filled all M rows and has more eligible items may have had
+      # earlier arrivals after t[M-1]: only times up to the smallest such cutoff are
+      # exact. A shard that drew every eligible item (``n_elig``: those of positive
+      # weight) has no later arrival and cuts nothing (it cut every shard's rows at its
+      # last arrival, and a full table of M-slot shards gave short batches).
+      cutoff = jnp.where(valid[m - 1] & (n_elig > m), t[m - 1], jnp.inf)
       all_t = lax.all_gather(t, axis).reshape(-1)   # [S * M]
       kth = jnp.sort(all_t)[batch_size - 1] if n * m >= batch_size else jnp.inf
       limit = jnp.minimum(kth, jnp.min(lax.all_gather(cutoff, axis)))

@@ -82,6 +82,30 @@ def test_global_without_replacement_exact_inclusion(unequal):
   assert len(set(ids.tolist())) == len(ids) == 3
 
 
+def test_global_sample_draws_every_row_of_full_small_shards(mesh):
+  """Shards of 2 slots, all full, and a batch of 3 (so each shard draws M = 2 rows,
+  every item it has): the batch holds 3 rows with the exact inclusion probabilities of
+  successive sampling over all 8 items. A shard that drew all its items cut every
+  shard's rows at its last arrival, and batches came out short (found by a review)."""
+  prios = [[1.0, 2.0], [3.0, 0.5], [4.0, 1.0], [2.0, 6.0]]
+  t = frs.make_sharded_table(fr.TableSpec(2 * N, ITEM, sampler=fr.Prioritized(1.0)), mesh)
+  st, pr, mask = unequal_state(t, prios)
+  trials = 2000
+  counts, nvalid, first = draw_counts(t, st, trials, 3, False, 2)
+  assert np.all(np.asarray(nvalid) == 3)
+  obs = np.asarray(counts)
+  expected = trials * _inclusion_probabilities(pr.reshape(-1).astype(np.float64), 3)
+  _, p = sps.chisquare(obs, expected * obs.sum() / expected.sum())
+  assert p > 1e-3, (obs, expected)
+  u = frs.make_sharded_table(fr.TableSpec(2 * N, ITEM), mesh)  # uniform, batches up to C
+  ust = jax.jit(u.insert)(jax.jit(u.init)(), tagged_items(N, 2, 0))
+  sg = jax.jit(u.sample_global, static_argnames=SAMPLE_ARGS)
+  for b in (3, 5, 8):
+    _, out = sg(ust, jax.random.PRNGKey(b), batch_size=b)
+    tags = np.asarray(out.data["tag"])[np.asarray(out.valid)]
+    assert len(tags) == b and len(set(tags.tolist())) == b
+
+
 @pytest.mark.slow
 def test_global_uniform_inclusion_slow(mesh):
   t = frs.make_sharded_table(fr.TableSpec(4 * 8, ITEM), mesh)  # uniform
