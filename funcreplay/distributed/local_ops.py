@@ -17,7 +17,7 @@ from funcreplay.core import selectors as sel
 from funcreplay.core.state import TableState
 from funcreplay.distributed.mesh import check_leading as _leading
 from funcreplay.distributed.mesh import expand as _expand
-from funcreplay.distributed.mesh import global_counter_sum, global_diff, keys_arg, slots_arg
+from funcreplay.distributed.mesh import global_counter_sum, global_diff, keyed_args
 from funcreplay.distributed.mesh import per_shard as _per_shard
 from funcreplay.distributed.mesh import squeeze as _squeeze
 from funcreplay.distributed.mesh import uses_priority as _uses_priority
@@ -99,28 +99,31 @@ def sample(ctx, state: TableState, rng, *, batch_size: int, version=None, where=
 def delete(ctx, state, slots, keys):
   """Per shard: ``slots``/``keys`` are ``[S, K]`` local slots (e.g. ``info.slot``)."""
   local, sh, smap = ctx.local, ctx.sh, ctx.smap
+  slots, keys, _ = keyed_args("delete", ctx.n, slots, keys)
   return smap(lambda st, s, k: _expand(local.delete(_squeeze(st), s[0], k[0])),
-              (sh, sh, sh), sh)(state, slots_arg(slots, ctx.n), keys_arg(keys))
+              (sh, sh, sh), sh)(state, slots, keys)
 
 
 def update_priorities(ctx, state, slots, keys, priorities):
-  """Per shard: ``[S, K]`` local slots, keys and priorities (from ``info``)."""
+  """Per shard: ``[S, K]`` local slots and keys (from ``info``); priorities a scalar,
+  ``[S]`` (one per shard) or ``[S, K]``."""
   local, sh, smap = ctx.local, ctx.sh, ctx.smap
-  slots = slots_arg(slots, ctx.n)
-  prios = jnp.broadcast_to(jnp.asarray(priorities, jnp.float32), slots.shape)
+  slots, keys, prios = keyed_args("update_priorities", ctx.n, slots, keys, priorities,
+                                  "priorities")
   return smap(lambda st, s, k, p: _expand(local.update_priorities(_squeeze(st), s[0], k[0],
                                                                    p[0])),
-              (sh, sh, sh, sh), sh)(state, slots, keys_arg(keys), prios)
+              (sh, sh, sh, sh), sh)(state, slots, keys, prios)
 
 
 def set_metadata(ctx, state, slots, keys, column: str, values):
-  """Per shard: ``[S, K]`` local slots, keys and int32 values of ``column``."""
+  """Per shard: ``[S, K]`` local slots and keys; int values of ``column`` a scalar,
+  ``[S]`` (one per shard) or ``[S, K]``."""
   local, sh, smap = ctx.local, ctx.sh, ctx.smap
-  slots = slots_arg(slots, ctx.n)
-  vals = jnp.broadcast_to(jnp.asarray(values, jnp.int32), slots.shape)
+  slots, keys, vals = keyed_args("set_metadata", ctx.n, slots, keys, values,
+                                 values_kinds="iu")
   return smap(lambda st, s, k, v: _expand(local.set_metadata(_squeeze(st), s[0], k[0],
                                                               column, v[0])),
-              (sh, sh, sh, sh), sh)(state, slots, keys_arg(keys), vals)
+              (sh, sh, sh, sh), sh)(state, slots, keys, vals)
 
 
 def evict_stale(ctx, state, version):

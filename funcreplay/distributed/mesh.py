@@ -14,6 +14,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from funcreplay.core import counters as ctr
 from funcreplay.core import selectors as sel
 from funcreplay.core.functional import FunctionalTable
+from funcreplay.core.ops import rows
 from funcreplay.core.spec import TableSpec
 from funcreplay.native.functional import make_table
 
@@ -136,18 +138,35 @@ def uses_priority(spec: TableSpec) -> bool:
   return spec.prioritized or isinstance(spec.sampler, heap) or isinstance(spec.remover, heap)
 
 
-def slots_arg(x, n: int):
-  """int32 ``[S, K]`` local slots per shard, or a clear error."""
-  x = jnp.asarray(x, jnp.int32)
-  if x.ndim != 2 or x.shape[0] != n:
-    raise ValueError(f"slots must be [{n}, K] local slots per shard (e.g. batch.info.slot), "
-                     f"got {list(x.shape)}.")
-  return x
-
-
-def keys_arg(x):
-  """uint32 ``[S, K]`` item keys."""
-  return jnp.asarray(x, jnp.uint32)
+def keyed_args(what: str, n: int, slots, keys, values=None, values_name: str = "values",
+               values_kinds: str = "iuf"):
+  """``(slots int32[S, K], keys uint32[S, K], values [S, K] or None)`` of a sharded keyed
+  call (``delete``, ``update_priorities``, ``set_metadata``), checked when tracing as the
+  core checks one table's (``ops.rows.keyed_args``: integer slots and keys, keys in
+  uint32 range, the values' dtype kind): ``slots`` ``[S, K]`` local slots per shard,
+  ``keys`` a scalar or ``[S, K]``, ``values`` a scalar, ``[S]`` (one per shard, as
+  ``insert``'s arguments) or ``[S, K]``. A flat or ``[S]`` keys array was split across
+  the shards unchecked, and each shard compared all its rows with one key."""
+  s = jnp.asarray(slots)
+  if s.ndim != 2 or s.shape[0] != n:
+    raise ValueError(f"{what}: slots must be [{n}, K] local slots per shard (e.g. "
+                     f"batch.info.slot), got {list(s.shape)}.")
+  k = jnp.asarray(keys)
+  if k.ndim and k.shape != s.shape:
+    raise ValueError(f"{what}: keys must be a scalar or of the slots' shape {list(s.shape)} "
+                     f"(e.g. batch.info.key), got {list(k.shape)}.")
+  flat_keys = keys if k.ndim == 0 else (k.reshape(-1) if hasattr(keys, "aval")
+                                        else np.reshape(np.asarray(keys), -1))
+  rows.keyed_args(what, s.reshape(-1), flat_keys)
+  keys = jnp.broadcast_to(k.astype(jnp.uint32), s.shape)
+  if values is not None:
+    v = jnp.asarray(values)
+    if v.dtype.kind not in values_kinds:
+      raise TypeError(f"{what}: {values_name} must be "
+                      f"{'integers' if values_kinds == 'iu' else 'numbers'}, got {v.dtype}.")
+    values = per_shard(values, n, s.shape[1], jnp.float32 if "f" in values_kinds
+                       else jnp.int32, f"{what}: {values_name}")
+  return s.astype(jnp.int32), keys, values
 
 
 def global_diff(state):

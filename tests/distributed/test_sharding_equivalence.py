@@ -9,6 +9,7 @@ re-runs them in a subprocess with 8 fake CPU devices.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import funcreplay as fr
 from funcreplay import distributed as frs
@@ -96,3 +97,38 @@ def test_invariants_match_unsharded_table(mesh):
   su2 = u.evict_stale(su, 4)
   assert stats_of(t, st2) == stats_of(u, su2)
   assert count_of(t, st2) == int(su2.size) == 8  # only version 2's 8 items are fresh
+
+
+def test_keyed_calls_check_their_arguments_per_shard(mesh):
+  """``delete`` / ``update_priorities`` / ``set_metadata`` take ``[S, K]`` slots and keys
+  and values as ``insert``'s per-shard arguments (a scalar, ``[S]`` or ``[S, K]``).
+  Flat or ``[S]`` keys were split across the shards unchecked (each shard compared all
+  its rows with one key: a silent partial delete), and ``[S]`` priorities were read per
+  column, not per shard (found by a review)."""
+  spec = fr.TableSpec(4 * 8, ITEM, sampler=fr.Prioritized(1.0), metadata=("task",))
+  t = frs.make_sharded_table(spec, mesh)
+  st = jax.jit(t.insert)(jax.jit(t.init)(), tagged_items(N, 4, 0))
+  slots = np.tile(np.arange(4, dtype=np.int32), (N, 1))
+  keys = np.asarray(st.key)[:, :4]
+  for bad in (keys.reshape(-1), keys[:, 0], keys[:, :2]):
+    for call in (lambda k: t.delete(st, slots, k),
+                 lambda k: t.update_priorities(st, slots, k, 1.0),
+                 lambda k: t.set_metadata(st, slots, k, "task", 1)):
+      with pytest.raises(ValueError, match="keys must be a scalar or of the slots' shape"):
+        call(bad)
+  with pytest.raises(TypeError, match="slots must be integers"):
+    t.delete(st, slots.astype(np.float32), keys)
+  with pytest.raises(ValueError, match="keys are uint32"):
+    t.delete(st, slots, keys.astype(np.int64) - 2**33)
+  with pytest.raises(TypeError, match="priorities must be numbers"):
+    t.update_priorities(st, slots, keys, np.ones((N, 4), bool))
+  with pytest.raises(TypeError, match="values must be integers"):
+    t.set_metadata(st, slots, keys, "task", np.ones((N,), np.float32))
+  # [S]: one value per shard.
+  per_shard = np.arange(1, N + 1, dtype=np.float32)
+  up = t.update_priorities(st, slots, keys, per_shard)
+  np.testing.assert_array_equal(np.asarray(up.priority)[:, :4], np.repeat(per_shard[:, None], 4, 1))
+  meta = t.set_metadata(st, slots, keys, "task", np.arange(N, dtype=np.int32))
+  np.testing.assert_array_equal(np.asarray(meta.metadata["task"])[:, :4],
+                                np.repeat(np.arange(N)[:, None], 4, 1))
+  assert count_of(t, t.delete(st, slots, keys)) == 0
