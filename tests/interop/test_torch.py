@@ -212,6 +212,19 @@ def test_from_torch_64bit_is_narrowed_explicitly_or_rejected():
   np.testing.assert_array_equal(np.asarray(x["i"]), np.arange(5))
   with pytest.raises(ValueError, match="outside"):
     frt.from_torch(torch.tensor([2**40]), on_copy="ignore")
+  # uint64 (torch has no min / max kernel for it: from_torch crashed in torch) and
+  # float64 beyond float32's range (it became inf without a word; found by a review).
+  u = frt.from_torch(torch.tensor([1, 2, 2**32 - 1], dtype=torch.uint64), on_copy="ignore")
+  assert u.dtype == jnp.uint32 and np.asarray(u).tolist() == [1, 2, 2**32 - 1]
+  for big, held in ((2**32, r"\[1, 4294967296\]"), (2**63, "2\\*\\*63 or more")):
+    with pytest.raises(ValueError, match=held):
+      frt.from_torch(torch.tensor([1, big], dtype=torch.uint64), on_copy="ignore")
+  f = frt.from_torch(torch.tensor([1e30, -np.inf, np.nan], dtype=torch.float64),
+                     on_copy="ignore")
+  assert np.asarray(f)[0] == np.float32(1e30) and np.isneginf(np.asarray(f)[1])
+  for dtype in (torch.float64, torch.complex128):
+    with pytest.raises(ValueError, match="beyond float32's range.*1e\\+300"):
+      frt.from_torch(torch.tensor([1.0, -1e300], dtype=dtype), on_copy="ignore")
 
 
 def test_from_torch_conjugate_bit_is_resolved():

@@ -276,13 +276,27 @@ def _prepare_tensor(t: torch.Tensor, path: str, copies: list, sync: bool) -> tor
     copies.append((path, "conjugate/negative bit resolved"))
   narrow = None if jax.config.jax_enable_x64 else _X64_NARROW.get(t.dtype)
   if narrow is not None:
+    where = f"from_torch: leaf {path or '<root>'} ({t.dtype})"
+    fix = "(JAX runs with jax_enable_x64=False). Enable x64 or convert the tensor yourself."
     if not t.dtype.is_floating_point and not t.dtype.is_complex and t.numel():
       info = torch.iinfo(narrow)
-      lo, hi = int(t.min()), int(t.max())
+      # torch has no min / max of uint64: compared as int64, where values of 2**63 and
+      # more are negative (outside uint32 all the same).
+      v = t.view(torch.int64) if t.dtype == torch.uint64 else t
+      lo, hi = int(v.min()), int(v.max())
       if lo < info.min or hi > info.max:
-        raise ValueError(f"from_torch: leaf {path or '<root>'} ({t.dtype}) holds values in "
-                         f"[{lo}, {hi}], outside {narrow} (JAX runs with jax_enable_x64=False). "
-                         "Enable x64 or convert the tensor yourself.")
+        held = ("values of 2**63 or more" if t.dtype == torch.uint64 and lo < 0
+                else f"values in [{lo}, {hi}]")
+        raise ValueError(f"{where} holds {held}, outside {narrow} {fix}")
+    elif t.numel():
+      # Rounding to float32 is the narrowing; a finite value beyond float32's range would
+      # become inf, which is not.
+      a = torch.view_as_real(t) if t.dtype.is_complex else t
+      big = a.isfinite() & (a.abs() > torch.finfo(torch.float32).max)
+      if bool(big.any()):
+        raise ValueError(f"{where} holds finite values beyond float32's range (largest "
+                         f"magnitude {float(a[big].abs().max()):.3g}), which would become "
+                         f"inf {fix}")
     copies.append((path, f"{t.dtype} narrowed to {narrow} (jax_enable_x64=False)"))
     t = t.to(narrow)
   if not _is_dense(t):
