@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import queue
+import re
 import threading
 import time
 import weakref
@@ -278,9 +279,11 @@ class TorchSampler(torch_data.IterableDataset):
                            where=self.where, timeout=wait, replace=self.replace,
                            min_valid=self.min_valid)
         break
-      except TimeoutError:
+      except TimeoutError as e:
         if deadline is not None and time.monotonic() >= deadline:
-          raise
+          # The table's message names the last slice's wait: the caller's timeout instead.
+          raise TimeoutError(re.sub(r"timed out after \S+ s", f"timed out after "
+                                    f"{self.timeout} s", str(e), count=1)) from None
         if stop is not None and stop.is_set():
           return None
     with self._lock:
