@@ -42,6 +42,22 @@ def test_torch_sampler_yields_batches_and_stops(prefetch):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_torch_sampler_samples_no_batch_it_does_not_hand_out(prefetch):
+  """``num_batches`` not a multiple of ``batches_per_call``: the last call samples only
+  the batches still due. It sampled a whole call and dropped the rest, whose rows counted
+  as sampled (here: used up and freed; found by a review)."""
+  table = small_table(32, max_times_sampled=1)
+  table.insert(rows(0, 32))
+  with frt.TorchSampler(table, 4, prefetch=prefetch, batches_per_call=2,
+                        num_batches=3) as sampler:
+    batches = list(sampler)
+  assert len(batches) == 3
+  assert table.stats().to_dict()["samples"] == 12 and len(table) == 32 - 12
+  table.close()
+
+
+@pytest.mark.timeout(60)
 def test_torch_sampler_batches_per_call_splits_one_sample():
   table = small_table(16, sampler=PRIO)
   table.insert(rows(0, 16), priority=np.linspace(0.5, 2.0, 16))

@@ -248,6 +248,11 @@ def test_prefetch_torch_batches_and_the_colocated_learner():
     frt.update_priorities(rt, b.info, b.data["obs"][:, 0] + 1.0)
   with pytest.raises(StopIteration):
     next(sampler)
+  # A beta schedule's value is checked as TorchSampler checks it (a NaN gave NaN weights).
+  bad = frt.RemoteTorchSampler(rt, 16, prefetch=1, beta=lambda i: float("nan"), num_batches=1)
+  with pytest.raises(ValueError, match=r"RemoteTorchSampler: beta\(0\) returned nan"):
+    next(bad)
+  bad.close()
 
   def colocated(table, batches):
     # In the actor's process: TorchSampler on the Table itself, sampling in place.

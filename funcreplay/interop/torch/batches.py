@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Optional
 
 import jax
@@ -136,6 +137,22 @@ class TorchBatch:
 
   def __len__(self) -> int:
     return int(self.valid.shape[0])
+
+
+def beta_at(beta, index: int, who: str, after: str = "") -> Optional[float]:
+  """The importance-weight exponent of batch ``index``: ``beta`` itself, or the value of a
+  schedule (a callable of the index), checked to be a finite number >= 0."""
+  if not callable(beta):
+    return beta
+  b = beta(index)
+  try:
+    ok = b is not None and not isinstance(b, bool) and math.isfinite(b) and b >= 0
+  except TypeError:
+    ok = False
+  if not ok:
+    raise ValueError(f"{who}: beta({index}) returned {b!r}; the importance-weight exponent "
+                     f"must be a finite number >= 0. Fix the beta schedule{after}.")
+  return float(b)
 
 
 def importance_weights(probability: torch.Tensor, valid: torch.Tensor, num_eligible: int,

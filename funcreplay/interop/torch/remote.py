@@ -21,7 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from funcreplay.core.packing import PackedSample
-from funcreplay.interop.torch.batches import TorchBatch, importance_weights, sample_to_torch
+from funcreplay.interop.torch.batches import (
+    TorchBatch,
+    beta_at,
+    importance_weights,
+    sample_to_torch,
+)
 from funcreplay.interop.torch.dlpack import as_device
 from funcreplay.interop.torch.packed import host_batches
 from funcreplay.ray.prefetch import Prefetcher
@@ -75,7 +80,7 @@ class RemoteTorchSampler:
     else:  # items that cannot be packed (sub-byte dtypes): a Sample of numpy arrays
       batch = sample_to_torch(jax.tree_util.tree_map(jnp.asarray, res), device=self.device,
                               on_copy="ignore")
-    beta = self.beta(self._count) if callable(self.beta) else self.beta
+    beta = beta_at(self.beta, self._count, "RemoteTorchSampler")
     self._count += 1
     if beta is not None:
       batch = dataclasses.replace(batch, weights=importance_weights(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import queue
 import re
 import threading
@@ -18,7 +17,12 @@ from torch.utils import data as torch_data
 
 from funcreplay.core import packing
 from funcreplay.core.packing import PackedSample
-from funcreplay.interop.torch.batches import TorchBatch, importance_weights, sample_to_torch
+from funcreplay.interop.torch.batches import (
+    TorchBatch,
+    beta_at,
+    importance_weights,
+    sample_to_torch,
+)
 from funcreplay.interop.torch.dlpack import OnCopy, check_on_copy
 from funcreplay.interop.torch.packed import host_batches, packed_batches, unsupported
 
@@ -83,7 +87,7 @@ class _BatchIterator:
       self.close()
       raise StopIteration
     if self._queue is None:
-      batch = self._owner._next_batch(None, self._pending)  # noqa: SLF001
+      batch = self._owner._next_batch(None, self._pending, _left(self._owner, self._count))  # noqa: SLF001
     else:
       while True:
         try:
@@ -118,13 +122,18 @@ def _limit_reached(owner: "TorchSampler", produced: int) -> bool:
   return n is not None and produced >= n
 
 
+def _left(owner: "TorchSampler", produced: int) -> Optional[int]:
+  """Batches an iterator still hands out (None: no ``num_batches``)."""
+  return None if owner.num_batches is None else owner.num_batches - produced
+
+
 def _produce(owner: "TorchSampler", stop: threading.Event, out: queue.Queue,
              pending: list) -> None:
   """The prefetch thread of one ``_BatchIterator`` (which it does not reference)."""
   produced = 0
   try:
     while not stop.is_set() and not _limit_reached(owner, produced):
-      batch = owner._next_batch(stop, pending)  # noqa: SLF001
+      batch = owner._next_batch(stop, pending, _left(owner, produced))  # noqa: SLF001
       if batch is None:  # stopped while waiting
         return
       if not _put(stop, out, batch):
@@ -242,24 +251,16 @@ class TorchSampler(torch_data.IterableDataset):
   # -- sampling --------------------------------------------------------------------------
   def _beta(self, index: int) -> Optional[float]:
     """The exponent for batch ``index``; a callable's result is checked (finite, >= 0)."""
-    if not callable(self.beta):
-      return self.beta
-    b = self.beta(index)
-    try:
-      ok = b is not None and not isinstance(b, bool) and math.isfinite(b) and b >= 0
-    except TypeError:
-      ok = False
-    if not ok:
-      raise ValueError(f"TorchSampler: beta({index}) returned {b!r}; the importance-weight "
-                       "exponent must be a finite number >= 0. Fix the beta schedule (nothing "
-                       "was sampled for this batch).")
-    return float(b)
+    return beta_at(self.beta, index, "TorchSampler", " (nothing was sampled for this batch)")
 
-  def _next_batch(self, stop: Optional[threading.Event], pending: list) -> Optional[TorchBatch]:
-    """The next batch (from ``pending``, or a new sample); None if ``stop`` was set meanwhile."""
+  def _next_batch(self, stop: Optional[threading.Event], pending: list,
+                  left: Optional[int] = None) -> Optional[TorchBatch]:
+    """The next batch (from ``pending``, or a new sample); None if ``stop`` was set meanwhile.
+    ``left``: the batches the iterator still hands out (a call samples no more than those:
+    the rows of batches it would drop count as sampled, toward reuse limits)."""
     if pending:
       return pending.pop(0)
-    k = self.batches_per_call
+    k = self.batches_per_call if left is None else max(1, min(self.batches_per_call, left))
     # The betas of the batches this call hands out are checked before sampling,
     # so a bad schedule leaves the table as it was (indexes as reserved below,
     # unless another iterator of this sampler samples in between).
@@ -275,7 +276,7 @@ class TorchSampler(torch_data.IterableDataset):
         wait = left if wait is None else min(wait, left)
       version = None if self.version_fn is None else self.version_fn()
       try:
-        smp = self._sample(self.batch_size * self.batches_per_call, version=version,
+        smp = self._sample(self.batch_size * k, version=version,
                            where=self.where, timeout=wait, replace=self.replace,
                            min_valid=self.min_valid)
         break
