@@ -47,7 +47,8 @@ class GroupStats:
   failed: int = 0         # groups whose insert raised (the caller got the error): not stored
   late: int = 0           # responses refused: their group was already inserted (or failed)
   pending: int = 0        # groups not stored yet: collecting, or being inserted
-  # Every group begun is in exactly one of complete, partial, failed, pending.
+  dropped: int = 0        # groups discarded incomplete by ``close(flush=False)``
+  # Every group begun is in exactly one of complete, partial, failed, pending, dropped.
 
 
 def assemble_group(spec, group_size: int):
@@ -288,7 +289,8 @@ class GroupWriter:
     return len(groups)
 
   def close(self, flush: bool = True) -> None:
-    """Stop the deadline thread; insert (``flush=True``) or drop the incomplete groups.
+    """Stop the deadline thread; insert (``flush=True``) or drop (counted in
+    ``stats().dropped``) the incomplete groups.
 
     Returns once every group's insert has ended, those that other threads' ``add`` calls
     began included (each waits at most ``insert_timeout``; a ``TimeoutError`` says how
@@ -301,6 +303,10 @@ class GroupWriter:
       self._thread.join(timeout=10.0)
     if flush:
       self.flush()
+    else:  # counted, not left as pending forever
+      with self._lock:
+        self._stats.dropped += len(self._groups)
+        self._groups.clear()
     limit = None if self._insert_timeout is None else self._insert_timeout + 1.0
     with self._inserted:
       if not self._inserted.wait_for(lambda: self._inserting == 0, timeout=limit):

@@ -95,6 +95,14 @@ def test_close_flushes_and_bad_arguments():
     with pytest.raises(ValueError, match="poll_s must be a finite number of seconds > 0"):
       fr.GroupWriter(t, G, timeout_s=1.0, poll_s=bad)
   assert len(t) == 0
+  # close(flush=False): the incomplete groups are dropped and counted (they stayed
+  # "pending" forever; found by a review).
+  w = fr.GroupWriter(t, G)
+  w.add(7, response(7, 0))
+  w.add(8, response(8, 0))
+  w.close(flush=False)
+  st = w.stats()
+  assert (st.pending, st.dropped, len(t)) == (0, 2, 0)
   with fr.GroupWriter(t, G) as w:
     w.add(1, response(1, 0))
   assert len(t) == 1 and w.stats().partial == 1
