@@ -97,6 +97,18 @@ def threshold(spec: TableSpec, version) -> jnp.ndarray:
   return jnp.maximum(as_version(version), jnp.int32(lowest)) - spec.max_staleness
 
 
+def behind(version, item_version) -> jnp.ndarray:
+  """uint32: how many versions ``item_version`` (int32) is behind ``version`` (int32[]),
+  0 for an item at or ahead of it; the ``sampled_staleness_sum`` counter's terms. Exact
+  for any two int32 versions: ``max(version - item_version, 0)`` in int32 wrapped when
+  they are 2**31 or more apart (an item far ahead counted as stale, one far behind as
+  fresh; found by a review). The kernels' ``Behind`` (csrc/common.h) computes the same."""
+  item_version = jnp.asarray(item_version, jnp.int32)
+  version = jnp.asarray(version, jnp.int32)
+  u32 = lambda x: lax.bitcast_convert_type(x, jnp.uint32)  # noqa: E731
+  return jnp.where(version > item_version, u32(version) - u32(item_version), jnp.uint32(0))
+
+
 def _bucket_versions(hi, v):
   """int32[V]: the version bucket ``b`` stands for, in the window ``(hi - V, hi]``."""
   b = jnp.arange(v, dtype=jnp.int32)

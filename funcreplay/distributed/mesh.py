@@ -164,6 +164,8 @@ def keyed_args(what: str, n: int, slots, keys, values=None, values_name: str = "
     if v.dtype.kind not in values_kinds:
       raise TypeError(f"{what}: {values_name} must be "
                       f"{'integers' if values_kinds == 'iu' else 'numbers'}, got {v.dtype}.")
+    if "f" in values_kinds:
+      values = rows.fit_float(values, np.float32, f"{what}: {values_name}")
     values = per_shard(values, n, s.shape[1], jnp.float32 if "f" in values_kinds
                        else jnp.int32, f"{what}: {values_name}")
   return s.astype(jnp.int32), keys, values

@@ -170,6 +170,27 @@ def test_insert_refuses_what_its_columns_would_truncate():
   assert int(st.size) == 1  # integer priorities, numpy scalars in range: taken
 
 
+def test_priorities_beyond_float32_are_refused_or_saturate():
+  """A finite host priority beyond float32's range is refused: the cast made it inf,
+  stored as 0 and counted invalid, so the most important item was never drawn (found by
+  a review). A traced float64 one (x64) saturates at float32's largest value instead."""
+  spec = fr.TableSpec(8, ITEM, sampler=fr.Prioritized(1.0))
+  t = fr.make_table(spec)
+  st = t.insert(t.init(), items_from_ids([1, 2]), priority=np.array([1.0, 2.0]))
+  with pytest.raises(ValueError, match=r"insert priority must fit float32.*1e\+39"):
+    t.insert(st, items_from_ids([3, 4]), priority=np.array([1.0, 1e39]))
+  with pytest.raises(ValueError, match=r"update_priorities: priorities must fit float32"):
+    t.update_priorities(st, np.array([0]), st.key[:1], np.array([-1e39]))
+  big = float(np.finfo(np.float32).max)
+  st = t.update_priorities(st, np.array([0]), st.key[:1], np.array([big]))
+  assert float(st.priority[0]) == big and int(t.count(st)) == 2
+  with jax.enable_x64(True):
+    up = jax.jit(t.update_priorities)(st, np.array([1]), st.key[1:2],
+                                      jnp.array([1e39], jnp.float64))
+  assert float(up.priority[1]) == big and int(t.count(up)) == 2
+  assert fr.counters.to_int(up.counters["invalid_priorities"]) == 0
+
+
 def test_queries_refuse_float_versions_and_empty_counts():
   spec = fr.TableSpec(8, ITEM, max_staleness=2)
   t = fr.make_table(spec)

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Optional
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from funcreplay.core import counters as ctr
 from funcreplay.core import executor, indexes, inplace, item_info
 from funcreplay.core.ops import priorities_lean
+from funcreplay.core.ops.rows import fit_float, keyed_args, last_occurrence
 from funcreplay.core.ops.rows import key_matches as _key_matches
-from funcreplay.core.ops.rows import keyed_args, last_occurrence
 from funcreplay.core.ops.rows import sanitize_priorities as _sanitize_priorities
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
@@ -30,7 +31,9 @@ def update_priorities(spec: TableSpec, state: TableState, slots, keys, prioritie
   """
   slots, keys, priorities = keyed_args("update_priorities", slots, keys, priorities,
                                        "priorities")
-  priorities = jnp.broadcast_to(jnp.asarray(priorities, jnp.float32), slots.shape)
+  priorities = jnp.broadcast_to(
+      jnp.asarray(fit_float(priorities, np.float32, "update_priorities: priorities"),
+                  jnp.float32), slots.shape)
   keys = jnp.broadcast_to(jnp.asarray(keys, jnp.uint32), slots.shape)
   native = executor.check(native, "update_priorities")
   if native and native.supports_update_priorities(spec) and native.available():

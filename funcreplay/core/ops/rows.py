@@ -57,9 +57,32 @@ def rows(x, b, dtype, name):
   if checked.ndim not in (0, 1) or (checked.ndim == 1 and checked.shape[0] != b):
     raise ValueError(f"{name} must be a scalar or have shape [{b}], got "
                      f"{list(checked.shape)}.")
+  if target.kind == "f":
+    x = fit_float(x, target, name)
+    checked = jnp.asarray(x)
   if host:
     return np.broadcast_to(np.asarray(x).astype(checked.dtype).astype(dtype), (b,))
   return jnp.broadcast_to(checked, (b,)).astype(dtype)
+
+
+def fit_float(x, dtype, name):
+  """``x`` (real numbers) ready for a cast to the float ``dtype``: a host value of finite
+  magnitude beyond ``dtype``'s range is refused, naming ``name`` (the cast would make it
+  inf, which a priority row stores as 0: the most important item never drawn; found by
+  a review); a traced wider float saturates at ``dtype``'s largest value instead."""
+  fmax = np.finfo(dtype).max
+  if isinstance(x, (bool, int, float, np.ndarray, np.generic)):
+    a = np.asarray(x)
+    if a.dtype.kind == "f" and a.dtype.itemsize > np.dtype(dtype).itemsize and a.size:
+      big = np.isfinite(a) & (np.abs(a) > fmax)
+      if big.any():
+        raise ValueError(f"{name} must fit {np.dtype(dtype).name}: a finite value beyond its "
+                         f"range would become inf, got {float(np.abs(a[big]).max()):.3g}.")
+    return x
+  t = jnp.asarray(x)
+  if t.dtype.kind == "f" and t.dtype.itemsize > np.dtype(dtype).itemsize:
+    return jnp.where(jnp.isfinite(t), jnp.clip(t, -fmax, fmax), t)
+  return x
 
 
 def keyed_args(what: str, slots, keys, values=None, values_name: str = "values",

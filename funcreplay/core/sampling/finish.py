@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import indexes, inplace, item_info, ops, storage
+from funcreplay.core import indexes, inplace, item_info, ops, staleness, storage
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core.sampling import used_up
 from funcreplay.core.state import Sample, SampleInfo
@@ -40,8 +40,8 @@ def finish(spec, state, picked, prob, num_eligible, ver, replace):
   c = dict(state.counters)
   c["samples"] = ctr.add(c["samples"], n_valid)
   if ver is not None:
-    staleness = jnp.maximum(ver - got["version"], 0)
-    c["sampled_staleness_sum"] = ctr.add_sum(c["sampled_staleness_sum"], staleness, valid)
+    c["sampled_staleness_sum"] = ctr.add_sum(c["sampled_staleness_sum"],
+                                             staleness.behind(ver, got["version"]), valid)
   state = state.replace(counters=c, limiter_diff=rl.update_diff(
       spec.rate_limiter, state.limiter_diff, sampled=n_valid))
   info = SampleInfo(

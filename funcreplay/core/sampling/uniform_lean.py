@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import bits, fixedpoint, inplace, item_info, storage, trees
+from funcreplay.core import bits, fixedpoint, inplace, item_info, staleness, storage, trees
 from funcreplay.core import ledger_update as ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
@@ -248,8 +248,8 @@ def finish(spec: TableSpec, state: TableState, slot, valid, prob, num_eligible, 
   adds = {"samples": ledger.count(n_valid)}
   item_version = got["version"]
   if version is not None:
-    stale = jnp.maximum(jnp.asarray(version, jnp.int32) - item_version, 0)
-    adds["sampled_staleness_sum"] = ledger.total(stale, valid)
+    adds["sampled_staleness_sum"] = ledger.total(staleness.behind(version, item_version),
+                                                 valid)
   info = SampleInfo(
       slot=jnp.where(valid, slot, -1),
       key=jnp.where(valid, got["key"], jnp.uint32(0)),

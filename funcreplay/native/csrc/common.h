@@ -35,6 +35,11 @@ inline int32_t Wrap(uint32_t x) { return static_cast<int32_t>(x); }
 inline int32_t Sub(int32_t a, int64_t b) {
   return Wrap(static_cast<uint32_t>(a) - static_cast<uint32_t>(b));
 }
+// How many versions ``item`` is behind ``version`` (0 at or ahead), exact for any two
+// int32 versions: staleness.behind, the sampled_staleness_sum counter's terms.
+inline uint32_t Behind(int32_t version, int32_t item) {
+  return version > item ? static_cast<uint32_t>(version) - static_cast<uint32_t>(item) : 0u;
+}
 
 struct VersionIndex {
   int32_t* hist = nullptr;    // int32[V], or null without max_staleness

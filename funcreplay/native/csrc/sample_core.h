@@ -258,8 +258,7 @@ inline int64_t RunSample(SampleJob& job) {
                 job.row_bytes[d]);
       }
       if (job.has_version) {
-        // int32 arithmetic with wrap-around, as the portable path computes it.
-        stale_sum += static_cast<uint64_t>(std::max<int32_t>(Sub(job.version, info.version(s)), 0));
+        stale_sum += Behind(job.version, info.version(s));
       }
     } else {
       job.out_valid[i] = false;
