@@ -151,14 +151,12 @@ def keyed_args(what: str, n: int, slots, keys, values=None, values_name: str = "
   if s.ndim != 2 or s.shape[0] != n:
     raise ValueError(f"{what}: slots must be [{n}, K] local slots per shard (e.g. "
                      f"batch.info.slot), got {list(s.shape)}.")
-  k = jnp.asarray(keys)
+  k = keys if hasattr(keys, "dtype") else np.asarray(keys)  # host ints: numpy (rows.keyed_args)
   if k.ndim and k.shape != s.shape:
     raise ValueError(f"{what}: keys must be a scalar or of the slots' shape {list(s.shape)} "
                      f"(e.g. batch.info.key), got {list(k.shape)}.")
-  flat_keys = keys if k.ndim == 0 else (k.reshape(-1) if hasattr(keys, "aval")
-                                        else np.reshape(np.asarray(keys), -1))
-  rows.keyed_args(what, s.reshape(-1), flat_keys)
-  keys = jnp.broadcast_to(k.astype(jnp.uint32), s.shape)
+  _, flat, _ = rows.keyed_args(what, s.reshape(-1), k.reshape(-1) if k.ndim else k)
+  keys = jnp.broadcast_to(jnp.asarray(flat, jnp.uint32).reshape(k.shape), s.shape)
   if values is not None:
     v = jnp.asarray(values)
     if v.dtype.kind not in values_kinds:

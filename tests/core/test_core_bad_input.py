@@ -117,6 +117,32 @@ def test_keyed_calls_check_their_slots_keys_and_values():
     t.update_priorities(state, np.int32([0, 1]), keys, np.float32([5, 7, 9]))
   with pytest.raises(TypeError, match="set_metadata: values must be integers"):
     t.set_metadata(state, np.int32([0, 1]), keys, "task", np.float32([5, 7]))
+  # Host keys and values as Python ints go through numpy: a valid uint32 key above 2**31
+  # was refused by JAX's int32 OverflowError, and one beyond uint32 or a metadata value
+  # beyond int32 got JAX's error instead of these (found by a review).
+  t.delete(state, [0], [3_000_000_000])
+  t.update_priorities(state, [0], 3_000_000_000, 1.0)
+  with pytest.raises(ValueError, match="delete: keys are uint32"):
+    t.delete(state, [0], [2**32])
+  with pytest.raises(ValueError, match="set_metadata: values must fit int32"):
+    t.set_metadata(state, [0], [0], "task", 2**31)
+  assert int(t.count(t.delete(state, [0, 1], keys.tolist()))) == 0
+
+
+def test_insert_refuses_numpy_items_of_a_wider_dtype():
+  """A numpy float64 / int64 leaf for a 32-bit one is refused, as the host ``Table``
+  refuses it: ``jnp.result_type`` read it as 32 bits without x64, and the rows storage
+  then took twice its words (an error from inside the kernel or XLA) and the columns
+  storage wrapped int64 values (found by a review)."""
+  for storage in ("rows", "columns"):
+    t = fr.make_table(fr.TableSpec(8, ITEM, storage=storage))
+    x = items_from_ids([1, 2])
+    for name in x:
+      bad = dict(x, **{name: np.asarray(x[name]).astype(
+          np.float64 if np.asarray(x[name]).dtype.kind == "f" else np.int64)})
+      with pytest.raises(TypeError, match=f"item leaf .*{name}.*: expected dtype "
+                                          f"{np.asarray(x[name]).dtype}, got"):
+        t.insert(t.init(), bad)
 
 
 BAD_KEYS = [np.float32([0.3, 0.7]), np.uint32([0, 0, 12345]), np.int32([0, 1]),

@@ -132,3 +132,8 @@ def test_keyed_calls_check_their_arguments_per_shard(mesh):
   np.testing.assert_array_equal(np.asarray(meta.metadata["task"])[:, :4],
                                 np.repeat(np.arange(N)[:, None], 4, 1))
   assert count_of(t, t.delete(st, slots, keys)) == 0
+  # Host keys as Python ints (above 2**31 too: a valid uint32 key), a scalar key.
+  assert count_of(t, t.delete(st, slots, keys.tolist())) == 0
+  assert count_of(t, t.delete(st, slots, [[3_000_000_000] * 4] * N)) == N * 4
+  # Keys are numbered per shard: key 0 is slot 0's on every shard.
+  assert count_of(t, t.delete(st, slots, int(keys[0, 0]))) == N * 4 - N

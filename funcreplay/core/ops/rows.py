@@ -19,9 +19,12 @@ def batch_size(spec: TableSpec, items) -> int:
     if shape[1:] != tuple(s.shape) or len(shape) != len(s.shape) + 1:
       raise ValueError(f"insert: item leaf {name}: expected shape [B, "
                        f"{', '.join(map(str, s.shape))}], got {list(shape)}.")
-    if jnp.result_type(leaf) != s.dtype:
-      raise TypeError(f"insert: item leaf {name}: expected dtype {s.dtype}, got "
-                      f"{jnp.result_type(leaf)}.")
+    # An array's own dtype (numpy's included): ``jnp.result_type`` reads a numpy float64
+    # or int64 as 32 bits without x64, and such a leaf then went in as twice its words or
+    # wrapped (found by a review). Python scalars and lists: JAX's (weak) type.
+    got = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
+    if got != s.dtype:
+      raise TypeError(f"insert: item leaf {name}: expected dtype {s.dtype}, got {got}.")
     sizes.add(shape[0])
   if len(sizes) != 1:
     raise ValueError(f"insert: item leaves disagree on the batch size: {sorted(sizes)}.")
@@ -100,7 +103,9 @@ def keyed_args(what: str, slots, keys, values=None, values_name: str = "values",
   for name, x, kinds in (("keys", keys, "iu"), (values_name, values, values_kinds)):
     if x is None:
       continue
-    x = jnp.asarray(x)
+    # Host values (Python ints, lists) through numpy: ``jnp.asarray`` refused a valid
+    # uint32 key above 2**31 as a Python int (OverflowError), before the range check.
+    x = x if hasattr(x, "dtype") else np.asarray(x)
     if x.dtype.kind not in kinds:
       raise TypeError(f"{what}: {name} must be {'integers' if kinds == 'iu' else 'numbers'}, "
                       f"got {x.dtype}.")
@@ -113,6 +118,13 @@ def keyed_args(what: str, slots, keys, values=None, values_name: str = "values",
     if int(k.min()) < 0 or int(k.max()) > 0xFFFFFFFF:
       raise ValueError(f"{what}: keys are uint32 (Sample.info.key), got values in "
                        f"[{int(k.min())}, {int(k.max())}].")
+    keys = k.astype(np.uint32)
+  # Integer values are int32 (metadata): a host value beyond it would wrap.
+  if values is not None and values_kinds == "iu" and not hasattr(values, "aval"):
+    v = np.asarray(values)
+    if v.size and (int(v.min()) < -2**31 or int(v.max()) > 2**31 - 1):
+      raise ValueError(f"{what}: {values_name} must fit int32, got values in "
+                       f"[{int(v.min())}, {int(v.max())}].")
   return slots_in.astype(jnp.int32), keys, values
 
 
