@@ -266,6 +266,8 @@ def run(config, workdir: str, verbose: bool = True) -> dict:
       "stored_tokens": int(tokens_live), "stored_groups": size_end,
       "table_stats": stats, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
   }
+  summary["plot"] = common.plot_metric(workdir, "mean_reward", "async_grpo: mean reward per "
+                                       "learner step")
   common.write_json(os.path.join(workdir, "summary.json"), summary)
   log(f"async_grpo summary: reward {summary['reward_first10']:.3f} -> "
       f"{summary['reward_last10']:.3f}; staleness mean {st.mean():.2f} max {st.max()} "

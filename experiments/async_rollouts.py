@@ -274,6 +274,8 @@ def run(config, workdir: str, verbose: bool = True) -> dict:
       "final_mean_reward": float(np.mean(reward_hist[-10:])) if reward_hist else None,
       "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "seed": int(config.seed),
   }
+  summary["plot"] = common.plot_metric(workdir, "mean_reward", "async_rollouts: mean reward per "
+                                       "learner step")
   common.write_json(os.path.join(workdir, "summary.json"), summary)
   log("inserted (task: ok/truncated/failed): " + ", ".join(
       f"{tasks[t]} {'/'.join(str(int(x)) for x in inserted[t])}" for t in range(k)))

@@ -174,6 +174,8 @@ def run(config, workdir: str, address=None, verbose: bool = True) -> dict:
   assert stats["inserts"] == int(inserted.sum()), (stats["inserts"], int(inserted.sum()))
   assert stats["size"] + stats["deletes"] + stats["evicted_capacity"] + stats["evicted_stale"] \
       + stats["evicted_reuse"] == stats["inserts"]
+  summary["plot"] = common.plot_metric(workdir, "mean_reward",
+                                       "async_rollouts_ray: mean reward per learner step")
   common.write_json(os.path.join(workdir, "summary.json"), summary)
   log("inserted per producer: " + ", ".join(map(str, summary["inserted_per_producer"])))
   log("inserted (task: ok/truncated/failed): " + ", ".join(

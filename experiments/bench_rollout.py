@@ -223,10 +223,14 @@ def bench_memory(groups, g, max_len, lengths):
   src = Source(1, g, max_len, lengths)
   t = fr.Table(spec(groups, g, max_len, fr.StalestFirst()))
   fr_insert(t, src.next(groups))
-  for _ in range(3):  # churn: take and refill (holes, compactions)
-    for vals in t.take_batch({k: 64 for k in TASKS}, include_stale=True, timeout=60).values():
+  # Churn: take and refill (holes, compactions); 64 groups a task, or an eighth of a
+  # task's share of a smaller table (64 a task waited for groups a small one never had).
+  take = max(1, min(64, groups // (8 * len(TASKS))))
+  for _ in range(3):
+    for vals in t.take_batch({k: take for k in TASKS}, include_stale=True,
+                             timeout=60).values():
       del vals
-    fr_insert(t, src.next(256))
+    fr_insert(t, src.next(take * len(TASKS)))
   m = t.ragged_memory()["['tokens']"]
   tokens = m["live_values"]
   responses = len(t) * g

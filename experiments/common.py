@@ -127,6 +127,17 @@ def read_metrics(path: str) -> list:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def plot_metric(workdir: str, key: str, title: str, xlabel: str = "learner step",
+                filename: str = "learning_curve.png") -> Optional[str]:
+  """Plot ``key`` of ``<workdir>/metrics.jsonl`` against its steps (``plot_curve``) as
+  ``<workdir>/<filename>``; returns the path, or None when no record has ``key``."""
+  recs = [r for r in read_metrics(workdir) if key in r]
+  steps, values = [r["step"] for r in recs], [r[key] for r in recs]
+  if not steps:
+    return None
+  return plot_curve(os.path.join(workdir, filename), steps, values, title, key, xlabel)
+
+
 def plot_curve(path: str, steps: Sequence[float], values: Sequence[float], title: str,
                ylabel: str, xlabel: str = "env steps", hline: Optional[float] = None) -> str:
   """Save a line plot of ``values`` against ``steps`` as a PNG at ``path``; returns ``path``.

@@ -206,6 +206,9 @@ def test_async_rollouts_smoke_and_determinism(tmp_path):
   assert [_strip(r) for r in m] == [_strip(r) for r in common.read_metrics(str(tmp_path / "b"))]
   st = s1["table_stats"]
   assert s1["learner_steps"] == c.learner_steps
+  # README: every experiment writes a learning-curve PNG (these three wrote none).
+  assert s1["plot"] == str(tmp_path / "a" / "learning_curve.png")
+  assert os.path.getsize(s1["plot"]) > 1000
   inserted = sum(sum(v.values()) for v in s1["inserted"].values())
   assert st["inserts"] == inserted
   # Every group that left the table did so for a counted reason, and the reuse cap held.
@@ -252,4 +255,5 @@ def test_async_grpo_tiny(tmp_path):
   m = common.read_metrics(str(tmp_path))
   assert len(m) == c.learner_steps and all(_finite_numbers(r) for r in m)
   assert s["staleness_max"] <= c.max_staleness and s["reuse_max"] <= c.max_times_sampled
+  assert os.path.getsize(tmp_path / "learning_curve.png") > 1000
   assert s["groups"]["complete"] > 0 and s["ragged_bytes_per_token"] < s["padded_bytes_per_token"]

@@ -284,6 +284,7 @@ def test_async_rollouts_experiment_smoke(tmp_path):
   assert st["size"] + removed(st) == st["inserts"]
   assert 0 <= s["mean_staleness_trained"] <= c.max_staleness
   assert os.path.exists(tmp_path / "summary.json")
+  assert os.path.getsize(tmp_path / "learning_curve.png") > 1000
 
 
 def test_without_ray_the_package_imports_and_connect_says_what_to_install():
