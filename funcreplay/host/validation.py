@@ -8,6 +8,7 @@ leaves the table exactly as it was.
 from __future__ import annotations
 
 import math
+import re
 import threading
 from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
@@ -178,6 +179,14 @@ def check_timeout(timeout) -> Optional[float]:
                      f"got {timeout!r}.")
   timeout = float(timeout)
   return None if timeout >= threading.TIMEOUT_MAX else timeout
+
+
+def retimed(e: TimeoutError, timeout) -> TimeoutError:
+  """A table's ``TimeoutError`` ``e`` ("... timed out after T s: why ...") naming ``timeout``
+  as its wait: callers that wait in slices (``TorchSampler``'s prefetch thread, the replay
+  actor's cancellable samples) report the caller's timeout, not the last slice's."""
+  return TimeoutError(re.sub(r"timed out after \S+ s", f"timed out after {timeout} s",
+                             str(e), count=1))
 
 
 F32_MAX = float(np.finfo(np.float32).max)

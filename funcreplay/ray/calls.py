@@ -5,6 +5,7 @@ Shared by the clients (``client``, ``writer``, ``prefetch``).
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Optional
 
@@ -40,6 +41,10 @@ def require_ray():
   return ray
 
 
+# The line of a traceback that names the exception raised ("pkg.mod.SomeError: ...").
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit): ")
+
+
 def wait_reply(ref, timeout: Optional[float], what: str, name: str):
   """``ray.get(ref)`` within ``timeout`` seconds, with the actor's errors as they were raised
   (``ValueError``, ``TimeoutError``, ``TableClosedError``, ...), ``TableUnavailableError``
@@ -60,6 +65,15 @@ def wait_reply(ref, timeout: Optional[float], what: str, name: str):
                        "(it is alive but busy or blocked, or the network is slow). The call may "
                        "still run in the actor.") from None
   except (rex.RayActorError, rex.ActorUnavailableError) as e:
+    if getattr(e, "actor_init_failed", False):
+      # The constructor raised (a checkpoint that does not fit the spec, ...): its error
+      # ends Ray's message, after the traceback; "gone or unreachable" hid it.
+      lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+      at = max((i for i, ln in enumerate(lines) if _RAISED.match(ln)), default=len(lines) - 1)
+      raise TableUnavailableError(
+          f"{what}: the replay actor {name!r} failed to start: "
+          f"{' '.join(lines[at:]) if lines else type(e).__name__}. Fix the cause (the "
+          "checkpoint_dir's newest checkpoint must fit the spec) and connect again.") from e
     raise TableUnavailableError(
         f"{what}: the replay actor {name!r} is gone or unreachable ({type(e).__name__}: "
         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}). If it was created with "

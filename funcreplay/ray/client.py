@@ -13,7 +13,9 @@ saying they were raised in the actor; an actor that is gone gives
 
 from __future__ import annotations
 
+import math
 import time
+import uuid
 from typing import Any, Callable, Optional
 
 from funcreplay.checkpoint.spec_codec import spec_from_json, spec_to_json
@@ -92,35 +94,68 @@ def connect(name: str, spec: Optional[TableSpec] = None, *, namespace: Optional[
       raise TypeError(f"funcreplay.ray.connect: spec must be a TableSpec, got "
                       f"{type(spec).__name__}.")
     server.check_servable(spec, "funcreplay.ray.connect")
+    _check_checkpoint_options(checkpoint_dir, checkpoint_every_s, checkpoint_every_inserts,
+                              checkpoint_keep_last)
     opts = dict(name=name, namespace=namespace, get_if_exists=True)
     opts.update(actor_options)
+    token = uuid.uuid4().hex  # the actor records it: was it made by this call?
     handle = server.actor_class().options(**opts).remote(
         spec_to_json(spec), name, checkpoint_dir=checkpoint_dir,
         checkpoint_every_s=checkpoint_every_s,
         checkpoint_every_inserts=checkpoint_every_inserts,
         checkpoint_keep_last=3 if checkpoint_keep_last is None else checkpoint_keep_last,
-        seed=seed)
+        seed=seed, token=token)
+  if not hasattr(handle, "info"):
+    raise ValueError(f"funcreplay.ray.connect: the Ray actor named {name!r} in {where} is not "
+                     "a funcreplay replay actor; use another name.")
   info = wait_reply(handle.info.remote(), rpc_timeout, "funcreplay.ray.connect", name)
   if spec is not None and spec_to_json(spec) != info["spec_json"]:
     raise ValueError(f"funcreplay.ray.connect: a replay actor named {name!r} already exists in "
                      f"{where} with another spec.\n  theirs: {spec_from_json(info['spec_json'])}"
                      f"\n  yours:  {spec}\n"
                      "Attach with spec=None, or use another name.")
-  if spec is not None:
-    _warn_ignored_checkpointing(name, info, dict(
+  if spec is not None and info.get("creation", {}).get("token") != token:
+    _warn_ignored_options(name, info, dict(
         checkpoint_dir=checkpoint_dir, checkpoint_every_s=checkpoint_every_s,
         checkpoint_every_inserts=checkpoint_every_inserts,
-        checkpoint_keep_last=checkpoint_keep_last))
+        checkpoint_keep_last=checkpoint_keep_last), seed, actor_options)
   return RemoteTable(handle, name, namespace, info, rpc_timeout)
 
 
-def _warn_ignored_checkpointing(name: str, info: dict, given: dict) -> None:
-  """Get-or-create found the actor made already: the checkpoint options it was made with
-  hold, and a caller's other ones (given, not None) would go unused without a word."""
+def _check_checkpoint_options(directory, every_s, every_inserts, keep_last) -> None:
+  """Refused here, not ignored: periodic saves without a directory (nothing was ever
+  saved) and values ``PeriodicCheckpointer`` refuses (0 saved nothing; others failed the
+  actor's constructor, which read as an unavailable actor)."""
+  what = "funcreplay.ray.connect"
+  if (every_s is not None or every_inserts is not None) and not directory:
+    raise ValueError(f"{what}: checkpoint_every_s / checkpoint_every_inserts need "
+                     "checkpoint_dir= (where the actor saves).")
+  if every_s is not None and (isinstance(every_s, bool) or not isinstance(every_s, (int, float))
+                              or not 0 < every_s < math.inf):
+    raise ValueError(f"{what}: checkpoint_every_s must be a number of seconds > 0, got "
+                     f"{every_s!r}.")
+  for arg, v in (("checkpoint_every_inserts", every_inserts), ("checkpoint_keep_last", keep_last)):
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+      raise ValueError(f"{what}: {arg} must be an int >= 1, got {v!r}.")
+
+
+def _warn_ignored_options(name: str, info: dict, given: dict, seed: int,
+                          actor_options: dict) -> None:
+  """Get-or-create found the actor made already: the options it was made with hold, and a
+  caller's other ones (checkpoint options given, a seed or actor options) would go unused
+  without a word."""
+  import warnings
   theirs = info.get("checkpoint_options", {})
   differ = {k: v for k, v in given.items() if v is not None and theirs.get(k) != v}
+  made_seed = info.get("creation", {}).get("seed")
+  if actor_options or (made_seed is not None and made_seed != seed):
+    warnings.warn(f"funcreplay.ray.connect: the replay actor {name!r} exists already; "
+                  + (f"its seed {made_seed} holds, not yours ({seed}); " if made_seed != seed
+                     else "")
+                  + (f"your actor options {sorted(actor_options)} are not applied; "
+                     if actor_options else "")
+                  + "they apply when the actor is created.", RuntimeWarning, stacklevel=3)
   if differ:
-    import warnings
     warnings.warn(f"funcreplay.ray.connect: the replay actor {name!r} exists already; its "
                   f"checkpoint options {theirs} hold, yours {differ} are not applied (they "
                   "apply when the actor is created).", RuntimeWarning, stacklevel=3)
@@ -210,11 +245,17 @@ class RemoteTable:
 
   def sample_async(self, batch_size: int, *, version=None, where=None,
                    timeout: Optional[float] = None, replace: bool = False, min_valid=None,
-                   deadline: bool = True):
-    """Submit a sample; returns the Ray ``ObjectRef`` of its ``sample_packed`` result."""
+                   deadline: bool = True, tag: Optional[str] = None):
+    """Submit a sample; returns the Ray ``ObjectRef`` of its ``sample_packed`` result.
+    ``tag``: cancellable by ``cancel(tag)`` until it samples (then it returns None)."""
     t, dl, _ = self._blocking(timeout)
     return self.submit("sample", batch_size, version, where, t, dl if deadline else None,
-                        replace, min_valid)
+                        replace, min_valid, tag)
+
+  def cancel(self, tag: str) -> None:
+    """The sample calls submitted with ``tag`` that have not sampled yet take nothing
+    (``Prefetcher.close``)."""
+    self._call("cancel", tag, what="RemoteTable.cancel")
 
   def update_priorities(self, slots, keys, priorities) -> None:
     self._call("update_priorities", slots, keys, priorities, what="Table.update_priorities")
@@ -303,6 +344,11 @@ class RemoteTable:
     ray = require_ray()
     if self._closed:
       return
+    if final_save and not self.info.get("checkpoint_options", {}).get("checkpoint_dir"):
+      # Refused before anything closes (the actor refuses it too, the table left open).
+      raise ValueError(f"RemoteTable.close(final_save=True): the replay actor {self.name!r} "
+                       "has no checkpoint_dir, so there is nowhere to save; nothing was closed. "
+                       "Close with final_save=False, or save() to a directory first.")
     try:
       self._call("close", final_save, timeout=timeout, what="RemoteTable.close")
     except TableUnavailableError:

@@ -37,7 +37,8 @@ class WriterStats:
   in_flight: int         # shipped to the actor, not yet acknowledged
   batches: int           # batches acknowledged
   failed: int            # shipped items the actor refused or lost (see ``error``)
-  discarded: int         # local items dropped by close(discard_pending=True)
+  discarded: int         # local items dropped: close(discard_pending=True), or close of a
+  #                        writer whose batch failed (they cannot be shipped any more)
   rejected: int          # puts refused after close / failure (put raised)
   blocked_puts: int      # puts that waited for an in-flight batch to be acknowledged
   error: Optional[str]   # repr of the first batch error, if any

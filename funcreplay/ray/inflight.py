@@ -109,12 +109,15 @@ class InFlightBatches:
     if self._error is not None:
       raise self._wrapped(what)
 
-  def _wrapped(self, what: str) -> WriterError:
+  def _wrapped(self, what: str, unsent: int = 0) -> WriterError:
+    """The ``WriterError`` of ``self._error``; ``unsent``: accepted items that ``close``
+    dropped without shipping them (the writer had failed; ``stats().discarded``)."""
     e = self._error
     gone = isinstance(e, TableUnavailableError)
+    dropped = f", and {unsent} accepted items never shipped were dropped" if unsent else ""
     err = WriterError(f"RemoteWriter.{what}: a batch shipped to the replay actor "
                       f"{self._table.name!r} failed ({type(e).__name__}: {e}); "
-                      f"{self._failed} items were not inserted. "
+                      f"{self._failed} shipped items were not inserted{dropped}. "
                       + ("The actor is gone: connect again and make a new writer."
                          if gone else "Make a new writer once the cause is fixed."))
     err.__cause__ = e

@@ -16,10 +16,12 @@ samples in the table's counters, like a learner killed mid-step).
 from __future__ import annotations
 
 import collections
+import uuid
 from typing import Callable, Optional
 
 from funcreplay.host import validation
 from funcreplay.ray.calls import RPC_SLACK_S, as_sample, wait_reply
+from funcreplay.ray.errors import TableUnavailableError
 
 
 class Prefetcher:
@@ -60,6 +62,8 @@ class Prefetcher:
         max_batches, "Prefetcher max_batches", 0, 2**62)
     self._inflight: collections.deque = collections.deque()
     self._closed = False
+    # This iterator's calls, cancelled by close() (those not sampled yet take nothing).
+    self._tag = uuid.uuid4().hex
     self.batches = 0
 
   def _submit(self) -> None:
@@ -68,7 +72,7 @@ class Prefetcher:
     # others; its own timeout starts when it runs.
     self._inflight.append(self._table.sample_async(
         self._batch_size, version=version, where=self._where, timeout=self._timeout,
-        deadline=False))
+        deadline=False, tag=self._tag))
 
   def __iter__(self) -> "Prefetcher":
     return self
@@ -93,8 +97,17 @@ class Prefetcher:
     return result if self._packed else as_sample(result)
 
   def close(self) -> None:
-    """Stop prefetching; calls in flight are left to finish (and dropped)."""
+    """Stop prefetching: calls in flight that have not sampled yet are cancelled (they
+    take nothing; they took the next items inserted, for nobody), those that have are
+    dropped with their batches. Idempotent."""
+    if self._closed:
+      return
     self._closed = True
+    if self._inflight:
+      try:
+        self._table.cancel(self._tag)
+      except (TableUnavailableError, TimeoutError):
+        pass  # the actor is gone (its calls with it) or stuck: nothing more to do here
     self._inflight.clear()
 
   def __enter__(self) -> "Prefetcher":

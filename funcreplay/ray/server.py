@@ -42,6 +42,7 @@ from funcreplay.checkpoint.periodic import PeriodicCheckpointer
 from funcreplay.checkpoint.spec_codec import spec_from_json, spec_to_json
 from funcreplay.core import packing
 from funcreplay.host.table import Table
+from funcreplay.ray.cancel import Cancellations
 
 # Threads per Ray concurrency group (see the module doc). One insert thread keeps each
 # producer's batches in order; samplers get several so that blocked learners (and
@@ -60,7 +61,7 @@ METHOD_GROUPS = {
     "info": "control", "update_priorities": "control", "set_version": "control",
     "count": "control", "stats": "control", "size": "control", "save": "control",
     "checkpoint_now": "control", "evict_stale": "control", "delete": "control",
-    "close": "control",
+    "close": "control", "cancel": "control",
     "run": "run",
 }
 
@@ -68,18 +69,21 @@ METHOD_GROUPS = {
 def remaining(deadline: Optional[float], timeout: Optional[float], what: str) -> Optional[float]:
   """The table timeout for a call with the caller's wall-clock ``deadline`` and ``timeout``.
 
-  Raises ``TimeoutError`` if the call waited in the actor's queue past its deadline. Otherwise
-  the table gets the caller's own ``timeout`` (so its errors read as they do locally), cut
+  The table gets the caller's own ``timeout`` (so its errors read as they do locally), cut
   only where the queue wait would make the reply miss the caller's ``RPC_SLACK_S`` margin.
+  A call that reaches the actor after its deadline still tries once, as a local call blocked
+  on the table's lock does (``timeout=0``, or one shorter than the call's transit, always
+  failed here): ``TimeoutError`` only if it waited in the queue ``QUEUE_MARGIN_S`` past the
+  deadline, when its reply could miss the caller's wait.
   """
   if deadline is None:
     return timeout
-  left = deadline - time.time()
+  left = deadline - time.time() + QUEUE_MARGIN_S
   if left < 0:
-    raise TimeoutError(f"{what}: the call waited {-left + (timeout or 0.0):.3f} s in the replay "
-                       "actor's queue (behind other blocked calls) and reached its timeout "
-                       "before it ran; the table was not touched. Pass a larger timeout.")
-  return timeout if timeout is None else min(timeout, left + QUEUE_MARGIN_S)
+    raise TimeoutError(f"{what}: the call waited {-left + QUEUE_MARGIN_S + (timeout or 0.0):.3f}"
+                       " s in the replay actor's queue (behind other blocked calls), past its "
+                       "timeout, before it ran; the table was not touched. Pass a larger timeout.")
+  return timeout if timeout is None else min(timeout, left)
 
 
 def check_servable(spec, what: str) -> None:
@@ -106,11 +110,14 @@ class TableServer:
   def __init__(self, spec_json: str, name: str, *, checkpoint_dir: Optional[str] = None,
                checkpoint_every_s: Optional[float] = None,
                checkpoint_every_inserts: Optional[int] = None, checkpoint_keep_last: int = 3,
-               seed: int = 0):
+               seed: int = 0, token: Optional[str] = None):
     # The spec travels as its checkpoint JSON (TableSpec objects do not pickle).
     spec = spec_from_json(spec_json)
     check_servable(spec, f"the replay actor {name!r}")
     self._name = name
+    # Who created this actor (connect's one-off token) and with which seed: a later
+    # get-or-create that finds it names the options it cannot apply (client.connect).
+    self._creation = dict(token=token, seed=seed)
     self._restored_from = None
     latest = ckpt_layout.latest(checkpoint_dir) if checkpoint_dir and \
         os.path.isdir(checkpoint_dir) else None
@@ -126,19 +133,24 @@ class TableServer:
     self._ckpt_options = dict(checkpoint_dir=checkpoint_dir, checkpoint_every_s=checkpoint_every_s,
                               checkpoint_every_inserts=checkpoint_every_inserts,
                               checkpoint_keep_last=checkpoint_keep_last)
-    if checkpoint_dir and (checkpoint_every_s or checkpoint_every_inserts):
+    if checkpoint_dir and (checkpoint_every_s is not None or checkpoint_every_inserts is not None):
       self._ckpt = PeriodicCheckpointer(self._table, checkpoint_dir, every_s=checkpoint_every_s,
                                         every_inserts=checkpoint_every_inserts,
                                         keep_last=checkpoint_keep_last)
     self._spec_json = spec_to_json(self._table.spec)
     self._started = time.time()
+    self._cancellations = Cancellations()  # of closed Prefetchers' sample calls
 
   # -- inserts (group "insert") -----------------------------------------------------------
   def insert(self, items, version=None, priority=None, metadata=None, timeout=None,
              deadline=None) -> int:
     """``Table.insert``; returns the number of items inserted."""
     t = remaining(deadline, timeout, "Table.insert")
-    self._table.insert(items, version=version, priority=priority, metadata=metadata, timeout=t)
+    try:
+      self._table.insert(items, version=version, priority=priority, metadata=metadata,
+                         timeout=t)
+    finally:
+      self._cancellations.wake()
     return len(jax.tree_util.tree_leaves(items)[0])
 
   def insert_batch(self, leaves, version, priority, metadata) -> int:
@@ -151,6 +163,12 @@ class TableServer:
     bounds its unacknowledged batches); ``close()`` ends the wait with
     ``TableClosedError``, whose ``inserted`` says how many rows went in.
     """
+    try:
+      return self._insert_batch(leaves, version, priority, metadata)
+    finally:
+      self._cancellations.wake()
+
+  def _insert_batch(self, leaves, version, priority, metadata) -> int:
     table = self._table
     n = int(leaves[0].shape[0])
     if version is not None:
@@ -184,14 +202,30 @@ class TableServer:
 
   # -- sampling (group "sample") ----------------------------------------------------------
   def sample(self, batch_size, version=None, where=None, timeout=None, deadline=None,
-             replace=False, min_valid=None):
+             replace=False, min_valid=None, tag=None):
     """A ``PackedSample`` over a numpy buffer (one array through the object store), or a
-    ``Sample`` of numpy arrays where the items cannot be packed."""
+    ``Sample`` of numpy arrays where the items cannot be packed. ``tag``: a ``Prefetcher``'s
+    (``cancel``): None, nothing sampled, once that one is closed (``ray/cancel.py``)."""
     t = remaining(deadline, timeout, "Table.sample")
+    if tag is None:
+      return self._sample(batch_size, version, where, t, replace, min_valid)
+    return self._cancellations.run(tag, lambda t0: self._sample(
+        batch_size, version, where, t0, replace, min_valid), t)
+
+  def cancel(self, tag: str) -> None:
+    """The sample calls of ``tag`` (a closed ``Prefetcher``'s) take nothing from now on."""
+    self._cancellations.cancel(tag)
+
+  def _sample(self, batch_size, version, where, t, replace, min_valid):
     table = self._table
-    if packing.packable(table.spec.signature) is None and isinstance(batch_size, int) \
-        and not isinstance(batch_size, bool) and batch_size >= 1:
-      out = np.empty(packing.layout(table.spec.signature, batch_size).nbytes, np.uint8)
+    if packing.packable(table.spec.signature) is None:
+      # The reply buffer, written in place where the table allows it, for a batch the table
+      # can take (up to the capacity): any other size is the table's to check first (it
+      # allocated gigabytes for a batch_size of 2**31 before the table refused it).
+      fits = isinstance(batch_size, int) and not isinstance(batch_size, bool) \
+          and 1 <= batch_size <= table.spec.capacity
+      out = np.empty(packing.layout(table.spec.signature, batch_size).nbytes, np.uint8) \
+          if fits else None
       try:
         smp = table.sample_packed(batch_size, version=version, where=where, timeout=t,
                                   replace=replace, min_valid=min_valid, out=out)
@@ -200,7 +234,7 @@ class TableServer:
         e.args = tuple(a.replace("Table.sample_packed", "Table.sample") if isinstance(a, str)
                        else a for a in e.args)
         raise
-      return packing.PackedSample(out, smp.layout)
+      return packing.PackedSample(np.asarray(smp.buffer) if out is None else out, smp.layout)
     smp = table.sample(batch_size, version=version, where=where, timeout=t, replace=replace,
                        min_valid=min_valid)
     return jax.tree_util.tree_map(np.asarray, smp)
@@ -216,13 +250,15 @@ class TableServer:
                 pid=os.getpid(), node_id=ctx.get_node_id(), restarted=restarted,
                 restored_from=self._restored_from, version=self._table.version,
                 size=self._table.size, started=self._started,
-                checkpoint_options=dict(self._ckpt_options))
+                checkpoint_options=dict(self._ckpt_options), creation=dict(self._creation))
 
   def update_priorities(self, slots, keys, priorities) -> None:
     self._table.update_priorities(slots, keys, priorities)
+    self._cancellations.wake()
 
   def set_version(self, version) -> None:
     self._table.set_version(version)
+    self._cancellations.wake()
 
   def count(self, where=None, version=None) -> int:
     return self._table.count(where, version)
@@ -254,7 +290,12 @@ class TableServer:
 
   def close(self, final_save: bool = False) -> None:
     """Stop the checkpointer (saving once more if asked) and close the table: every waiting
-    call ends with ``TableClosedError``."""
+    call ends with ``TableClosedError``. ``final_save`` without a ``checkpoint_dir`` is
+    refused, the table left open (it returned as if saved)."""
+    if final_save and self._ckpt is None and not self._ckpt_dir:
+      raise ValueError(f"close(final_save=True): the replay actor {self._name!r} has no "
+                       "checkpoint_dir, so there is nowhere to save; the table stays open. "
+                       "Close with final_save=False, or save() to a directory first.")
     try:
       if self._ckpt is not None:
         self._ckpt.close(final_save=final_save)

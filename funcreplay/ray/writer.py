@@ -181,12 +181,15 @@ class RemoteWriter(InFlightBatches):
     """
     timeout = validation.check_timeout(timeout)
     deadline = None if timeout is None else time.monotonic() + timeout
-    with self._lock:
+    self._hold(deadline, "flush")
+    try:
       self._raise_if_failed("flush")
       self._ship(True, "flush", deadline)
       while self._inflight:
         self._wait_some(deadline, "flush")
       self._raise_if_failed("flush")
+    finally:
+      self._lock.release()
 
   def close(self, timeout: Union[None, float, str] = "stall", *,
             discard_pending: bool = False) -> None:
@@ -200,11 +203,10 @@ class RemoteWriter(InFlightBatches):
     """
     if timeout != "stall":
       timeout = validation.check_timeout(timeout)
-    with self._lock:
-      self._stop = True
-      self._wake.set()
-    self._timer.join()
-    with self._lock:
+    limit = CLOSE_STALL_S if timeout == "stall" else timeout
+    self._stop_timer()
+    self._hold(None if limit is None else time.monotonic() + limit, "close")
+    try:
       if discard_pending:
         self._discarded += len(self._buf)
         self._buf = []
@@ -214,9 +216,36 @@ class RemoteWriter(InFlightBatches):
         except WriterError:
           pass  # self._error is set: reported (once) below
       self._closed = True
+      unsent = 0
+      if self._error is not None and self._buf:  # never shipped (the writer failed): dropped
+        unsent = len(self._buf)
+        self._discarded += unsent
+        self._buf = []
       if self._error is not None and not self._error_reported:
         self._error_reported = True
-        raise self._wrapped("close")
+        raise self._wrapped("close", unsent)
+    finally:
+      self._lock.release()
+
+  def _stop_timer(self) -> None:
+    """Stop the timer thread (which never waits on the lock for more than a tick)."""
+    self._stop = True
+    self._wake.set()
+    self._timer.join()
+
+  def _hold(self, deadline: Optional[float], what: str) -> None:
+    """Take the writer's lock by ``deadline`` (monotonic; None: whenever): another
+    thread's ``put`` holds it while the table's back-pressure blocks it (``flush`` and
+    ``close`` waited for that without a bound, whatever their timeout)."""
+    if deadline is None:
+      self._lock.acquire()
+      return
+    if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+      raise TimeoutError(
+          f"RemoteWriter.{what}: another thread's put holds the writer, waiting for room: the "
+          f"replay actor {self._table.name!r} is not keeping up or its rate limiter "
+          f"{validation.describe_limiter(self._spec)} blocks inserts. Sample from the table "
+          "(or give the producers put_timeout=), then call again.")
 
   def __enter__(self) -> "RemoteWriter":
     return self
@@ -229,13 +258,13 @@ class RemoteWriter(InFlightBatches):
     # table and never mask the body's exception.
     try:
       try:
-        with self._lock:
-          self._stop = True
-          self._wake.set()
-        self._timer.join()
-        with self._lock:
+        self._stop_timer()
+        self._hold(time.monotonic() + EXIT_STALL_S, "close")
+        try:
           if self._error is None:
             self._drain("stall", EXIT_STALL_S, "close")
+        finally:
+          self._lock.release()
       except TimeoutError:
         pass
       self.close(discard_pending=True, timeout=EXIT_STALL_S)
@@ -290,7 +319,11 @@ class RemoteWriter(InFlightBatches):
     """Ships partial batches older than ``max_wait_s`` and collects acknowledgements."""
     tick = max(self._max_wait, 0.001)
     while not self._stop:
-      with self._lock:
+      # Never blocked on the lock for long: a put may hold it while back-pressure blocks it,
+      # and close() waits for this thread.
+      if not self._lock.acquire(timeout=tick):
+        continue
+      try:
         if self._stop:
           return
         try:
@@ -301,4 +334,6 @@ class RemoteWriter(InFlightBatches):
         except Exception:  # noqa: BLE001 (recorded in self._error; the producer sees it)
           pass
         age = time.monotonic() - self._first_t if self._buf else 0.0
+      finally:
+        self._lock.release()
       self._wake.wait(max(0.001, min(tick, tick - age)) if self._buf else tick)

@@ -142,7 +142,7 @@ def test_a_crash_fails_the_writers_whose_batches_were_in_flight():
   assert w.stats().in_flight == 4 and w.stats().inserted == 0
   pid = rt.info["pid"]
   ray.kill(rt.actor, no_restart=False)               # a crash: Ray restarts it
-  with pytest.raises(frr.WriterError, match="failed .*4 items were not inserted") as e:
+  with pytest.raises(frr.WriterError, match="failed .*4 shipped items were not inserted") as e:
     w.flush(timeout=WAIT_S)
   assert isinstance(e.value.__cause__, frr.TableUnavailableError)
   st = w.stats()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-import re
 import threading
 import time
 import weakref
@@ -17,6 +16,7 @@ from torch.utils import data as torch_data
 
 from funcreplay.core import packing
 from funcreplay.core.packing import PackedSample
+from funcreplay.host.validation import retimed
 from funcreplay.interop.torch.batches import (
     TorchBatch,
     beta_at,
@@ -283,8 +283,7 @@ class TorchSampler(torch_data.IterableDataset):
       except TimeoutError as e:
         if deadline is not None and time.monotonic() >= deadline:
           # The table's message names the last slice's wait: the caller's timeout instead.
-          raise TimeoutError(re.sub(r"timed out after \S+ s", f"timed out after "
-                                    f"{self.timeout} s", str(e), count=1)) from None
+          raise retimed(e, self.timeout) from None
         if stop is not None and stop.is_set():
           return None
     with self._lock:
