@@ -91,6 +91,8 @@ class Prefetcher:
     except BaseException:
       self.close()
       raise
+    if result is None:  # cancelled: another thread closed this iterator meanwhile
+      raise StopIteration
     self.batches += 1
     if self._left is not None:
       self._left -= 1

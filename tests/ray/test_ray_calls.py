@@ -44,15 +44,21 @@ def test_short_timeouts_try_once_and_oversized_batches_are_refused():
 
 def test_a_closed_prefetcher_takes_nothing_more():
   """``Prefetcher.close()`` cancels its calls that have not sampled: they waited in the
-  actor and took the next items inserted, for nobody (with a reuse limit of 1, lost)."""
+  actor and took the next items inserted, for nobody (with a reuse limit of 1, lost).
+  Here all four wait on an empty table when another thread closes the iterator; the
+  ``next`` blocked on the first ends with ``StopIteration``."""
   rt = fresh(spec(64, sampler=fr.Fifo(), max_times_sampled=1))
-  rt.insert(batch(4))
   p = rt.prefetch(4, prefetch=4, timeout=30.0)
-  assert next(p).data["step"].tolist() == [0, 1, 2, 3]
+  got = []
+  th = threading.Thread(target=lambda: got.append(list(p)), daemon=True)
+  th.start()
+  time.sleep(1.0)                                    # the four calls wait in the actor
   p.close()
+  th.join(WAIT_S)
+  assert not th.is_alive() and got == [[]]
   rt.insert(batch(12, 100))
   assert rt.sample(4, timeout=5.0).data["step"].tolist() == [100, 101, 102, 103]
-  assert rt.stats()["samples"] == 8 and rt.size == 8
+  assert rt.stats()["samples"] == 4 and rt.size == 8
   rt.close()
 
 
