@@ -309,12 +309,27 @@ def _read_checked(path: str, e: Dict[str, Any]) -> np.ndarray:
   fpath = os.path.join(path, e["file"])
   if not os.path.isfile(fpath):
     raise CheckpointError(f"{fpath}: file missing from the checkpoint (leaf {e['leaf']}).")
+  want_dtype = np.dtype(e["stored_as"]) if e["stored_as"] else _dtype(e["dtype"], fpath)
+  # The header first, checked against the manifest before any data is read: a damaged
+  # header made numpy's parser raise other errors than ValueError (tokenize.TokenError,
+  # SyntaxError) or allocate a shape it claimed (terabytes); any failure is corruption.
+  try:
+    with open(fpath, "rb") as f:
+      major, _ = np.lib.format.read_magic(f)
+      read_header = (np.lib.format.read_array_header_1_0 if major == 1
+                     else np.lib.format.read_array_header_2_0)
+      shape, _, dtype = read_header(f)
+  except Exception as err:  # noqa: BLE001 (whatever a damaged header raises)
+    raise CheckpointError(f"{fpath}: cannot read the array header (leaf {e['leaf']}): "
+                          f"{type(err).__name__}: {err}; the file is corrupted.") from None
+  if list(shape) != e["shape"] or dtype != want_dtype:
+    raise CheckpointError(f"{fpath}: holds {dtype.name}{list(shape)}, the manifest says "
+                          f"{want_dtype.name}{e['shape']} (leaf {e['leaf']}); corrupted.")
   try:
     stored = np.load(fpath, allow_pickle=False)
-  except (OSError, ValueError, EOFError) as err:
-    raise CheckpointError(f"{fpath}: cannot load (leaf {e['leaf']}): {err}; the file is "
-                          "truncated or corrupted.") from None
-  want_dtype = np.dtype(e["stored_as"]) if e["stored_as"] else _dtype(e["dtype"], fpath)
+  except Exception as err:  # noqa: BLE001 (a truncated or damaged file, however it fails)
+    raise CheckpointError(f"{fpath}: cannot load (leaf {e['leaf']}): {type(err).__name__}: "
+                          f"{err}; the file is truncated or corrupted.") from None
   if list(stored.shape) != e["shape"] or stored.dtype != want_dtype:
     raise CheckpointError(f"{fpath}: holds {stored.dtype.name}{list(stored.shape)}, the manifest "
                           f"says {want_dtype.name}{e['shape']} (leaf {e['leaf']}); corrupted.")

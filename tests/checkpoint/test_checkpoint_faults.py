@@ -4,6 +4,7 @@ errors for bad input, failed writes, and the host table's saves and periodic che
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import signal
@@ -175,6 +176,35 @@ def test_header_rewritten_with_other_shape(saved, tmp_path):
   p = _copy(saved[1], tmp_path)
   np.save(_file(p, ".version"), np.zeros((CAP + 1,), np.int32))
   with pytest.raises(ck.CheckpointError, match=r"version.npy: holds int32\[7\]"):
+    ck.restore(p)
+
+
+def test_damaged_array_headers_are_named(saved, tmp_path):
+  """Any flipped bit in a file's ``.npy`` header, and a header claiming a huge shape, give
+  a ``CheckpointError`` naming the file (numpy's parser raised ``tokenize.TokenError`` or
+  ``SyntaxError``, and the huge shape was allocated first: terabytes; found by a review)."""
+  p = _copy(saved[1], tmp_path)
+  f = _file(p, ".version")
+  good = open(f, "rb").read()
+  header = good.index(b"\n") + 1
+  for at in range(8, header - 1):
+    for bit in (0x01, 0x04, 0x40):
+      bad = bytearray(good)
+      bad[at] ^= bit
+      open(f, "wb").write(bytes(bad))
+      try:
+        got = ck.restore(p, as_numpy=True)
+      except ck.CheckpointError as e:
+        assert "version.npy" in str(e), str(e)
+        continue
+      # A flip that leaves an equivalent header (spaces, quotes) loads the same data.
+      np.testing.assert_array_equal(got.state.version,
+                                    ck.restore(saved[1], as_numpy=True).state.version)
+  huge = io.BytesIO()
+  np.lib.format.write_array_header_1_0(huge, {"descr": "<i4", "fortran_order": False,
+                                              "shape": (2**40,)})
+  open(f, "wb").write(huge.getvalue() + good[header:])
+  with pytest.raises(ck.CheckpointError, match=r"version.npy: holds int32\[1099511627776\]"):
     ck.restore(p)
 
 
