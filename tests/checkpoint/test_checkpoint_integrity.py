@@ -356,6 +356,26 @@ def test_schema_1_checkpoint_restores_bit_exactly(native, monkeypatch):
   assert {k: int(stats[k]) for k in want["stats_after"]} == want["stats_after"]
 
 
+def test_schema_1_checkpoint_restores_into_its_own_spec():
+  """The schema-1 fixture restores with ``spec=`` (its own, decoded), into a table's
+  ``load`` and with capacity growth: the remover saved as ``{"type": "Fifo"}``, before
+  ``Fifo(fill_holes)`` existed, differed from the spec's encoding and every such restore
+  was refused (found by a review)."""
+  spec = ck.restore(FIXTURE_V1, as_numpy=True).spec
+  assert spec.remover == fr.Fifo()
+  want = ck.restore(FIXTURE_V1, as_numpy=True).state
+  got = ck.restore(FIXTURE_V1, spec, as_numpy=True).state
+  np.testing.assert_array_equal(got.key, want.key)
+  loaded = fr.Table(spec)
+  loaded.load(FIXTURE_V1)
+  assert fr.Table.restore(FIXTURE_V1, spec=spec).size == loaded.size == want.occupied.sum()
+  grown = fr.Table.restore(FIXTURE_V1, spec=spec.replace(capacity=2 * spec.capacity),
+                           allow_capacity_growth=True)
+  assert grown.spec.capacity == 2 * spec.capacity and grown.size == want.occupied.sum()
+  with pytest.raises(ck.CheckpointError, match="remover: checkpoint .*Fifo.*spec .*Lifo"):
+    ck.restore(FIXTURE_V1, spec.replace(remover=fr.Lifo()))
+
+
 @pytest.mark.parametrize("keys,value", [
     (("spec", "max_times_sampled"), "3"),
     (("spec", "max_times_sampled"), -1),
