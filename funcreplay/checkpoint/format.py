@@ -202,6 +202,11 @@ def write_dir(path: str, arrays: Sequence[Tuple[str, np.ndarray]], header: Dict[
   if (os.path.exists(path) or swap.interrupted(path)) and not overwrite:
     raise FileExistsError(f"checkpoint save: {path!r} already exists; pass overwrite=True or "
                           "save to a new path (e.g. a checkpoint directory with step=).")
+  if overwrite and os.path.exists(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
+    # It replaced any directory (a directory of checkpoints, or one of the user's own).
+    raise FileExistsError(f"checkpoint save: {path!r} exists and is not a checkpoint (no "
+                          f"{MANIFEST}): overwrite=True replaces only a checkpoint. Save to a "
+                          "new path, or into a directory of checkpoints with step= / keep_last=.")
   tmp = os.path.join(parent, f"{TMP_PREFIX}{base}-{os.getpid()}-{secrets.token_hex(4)}")
   os.mkdir(tmp)
   old = None
@@ -237,7 +242,13 @@ def write_dir(path: str, arrays: Sequence[Tuple[str, np.ndarray]], header: Dict[
         os.fsync(f.fileno())
     if fsync:
       fsync_path(tmp, directory=True)
-    if os.path.exists(path) and swap.exchange(tmp, path):
+    if not overwrite:
+      try:
+        swap.place(tmp, path)  # never over a checkpoint another save made meanwhile
+      except FileExistsError:
+        raise FileExistsError(f"checkpoint save: {path!r} was made by another save while this "
+                              "one wrote; pass overwrite=True or save to a new path.") from None
+    elif os.path.exists(path) and swap.exchange(tmp, path):
       old = tmp  # one atomic swap (Linux): the previous checkpoint is now under tmp's name
     else:  # two renames; a kill between them is recovered by swap.interrupted
       if os.path.exists(path):

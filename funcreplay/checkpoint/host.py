@@ -28,6 +28,10 @@ def snapshot_table(table):
   return table.checkpoint_state()
 
 
+# Steps a save with step=None tries when concurrent saves to the same directory take them.
+_STEP_ATTEMPTS = 8
+
+
 def save_table(table, path, *, step: Optional[int] = None, keep_last: Optional[int] = None,
                extra: Any = None, overwrite: bool = False, fsync: bool = True,
                payloads: str = "refuse") -> str:
@@ -66,9 +70,16 @@ def save_table(table, path, *, step: Optional[int] = None, keep_last: Optional[i
           f"save: {os.fspath(path)} already holds {len(newer)} checkpoints newer than step "
           f"{step} (up to {max(newer)}), so keep_last={keep_last} would delete this one at "
           "once; save with a larger step (or step=None: one past the newest).")
-  target = layout.step_path(path, layout.next_step(path) if step is None else step)
-  out = core.save(target, state, table.spec, extra=extra, overwrite=overwrite, fsync=fsync,
-                  host=host, sidecar=side)
+  for attempt in range(_STEP_ATTEMPTS):
+    target = layout.step_path(path, layout.next_step(path) if step is None else step)
+    try:
+      out = core.save(target, state, table.spec, extra=extra, overwrite=overwrite,
+                      fsync=fsync, host=host, sidecar=side)
+      break
+    except FileExistsError:
+      # Another save (thread or process) took that step while this one wrote: the next one.
+      if step is not None or attempt == _STEP_ATTEMPTS - 1:
+        raise
   if keep_last is not None:
     layout.prune(path, keep_last)
   return out

@@ -8,7 +8,6 @@ import time
 from typing import List, Optional
 
 from funcreplay.checkpoint import host as host_lib
-from funcreplay.checkpoint import layout
 from funcreplay.host.guard import TableClosedError
 
 _POLL_S = 0.05  # how often the inserts trigger is checked
@@ -67,7 +66,6 @@ class PeriodicCheckpointer:
     self._every_inserts = every_inserts
     self._keep_last = keep_last
     self._fsync = bool(fsync)
-    self._step = layout.next_step(self._dir)
     self._lock = threading.Lock()  # one save at a time (thread vs save_now)
     self._stop = threading.Event()
     self._error: Optional[BaseException] = None
@@ -95,10 +93,11 @@ class PeriodicCheckpointer:
   def _save(self) -> str:
     with self._lock:
       inserts = self._inserts()
-      path = host_lib.save_table(self._table, self._dir, step=self._step,
-                                 keep_last=self._keep_last, fsync=self._fsync,
-                                 payloads=self._payloads)
-      self._step += 1
+      # One past the newest checkpoint there now (not a step counted from the start: a
+      # manual save into the directory took the next one, and this save's FileExistsError
+      # stopped the checkpointer for good; found by a review).
+      path = host_lib.save_table(self._table, self._dir, keep_last=self._keep_last,
+                                 fsync=self._fsync, payloads=self._payloads)
       self._last_time = time.monotonic()
       self._last_inserts = inserts
       self.saved.append(path)

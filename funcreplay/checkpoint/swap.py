@@ -53,6 +53,7 @@ _OWNER_RE = re.compile(r"-(\d+)-[0-9a-f]{8}$")  # the "-<pid>-<hex>" tail of bot
 STABLE_READ_ATTEMPTS = 8
 T = TypeVar("T")
 _AT_FDCWD = -100  # <fcntl.h>: paths relative to the working directory
+_RENAME_NOREPLACE = 1  # <linux/fs.h>: fail with EEXIST where the target exists
 _RENAME_EXCHANGE = 2  # <linux/fs.h>: swap the two paths atomically
 # errnos meaning "this kernel / file system cannot exchange": use the two renames
 _NO_EXCHANGE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV)
@@ -87,6 +88,28 @@ def exchange(a: str, b: str) -> bool:
   if err in _NO_EXCHANGE:
     return False
   raise OSError(err, os.strerror(err), a, None, b)
+
+
+def place(a: str, b: str) -> None:
+  """Rename ``a`` to ``b``, which must not exist: ``FileExistsError`` if it does (a
+  concurrent save made it after the caller checked). ``renameat2(RENAME_NOREPLACE)`` where
+  the system has it (atomic); else ``os.rename``, which refuses a non-empty directory at
+  ``b`` (a checkpoint) too. (A plain rename, or the exchange of ``overwrite``, let two
+  saves with ``overwrite=False`` both succeed, the second replacing the first.)"""
+  if RENAMEAT2 is not None:
+    if RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_NOREPLACE) == 0:
+      return
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:
+      raise FileExistsError(err, os.strerror(err), b)
+    if err not in _NO_EXCHANGE:
+      raise OSError(err, os.strerror(err), a, None, b)
+  try:
+    os.rename(a, b)
+  except OSError as e:
+    if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+      raise FileExistsError(e.errno, os.strerror(e.errno), b) from None
+    raise
 
 
 def pid_alive(pid: int) -> bool:

@@ -367,3 +367,80 @@ def test_periodic_checkpointer_reraises_errors(tmp_path, monkeypatch):
     ck.PeriodicCheckpointer(table, tmp_path)
 
 
+
+
+def test_overwrite_replaces_only_a_checkpoint(tmp_path):
+  """``overwrite=True`` replaced any directory at ``path``: a user's own files, or a
+  directory of checkpoints given where one checkpoint was meant (found by a review)."""
+  t = fr.Table(pairing_spec(0))
+  t.insert(items(3, 0))
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  (mine / "notes.txt").write_text("keep me")
+  with pytest.raises(FileExistsError, match="is not a checkpoint .*replaces only a checkpoint"):
+    t.save(str(mine), overwrite=True)
+  assert (mine / "notes.txt").read_text() == "keep me" and len(os.listdir(mine)) == 1
+  many = tmp_path / "many"
+  for _ in range(2):
+    t.save(str(many), keep_last=3)
+  with pytest.raises(FileExistsError, match="is not a checkpoint"):
+    t.save(str(many), overwrite=True)
+  assert [s for s, _ in ck.list_steps(str(many))] == [0, 1]
+  t.save(str(many / "ckpt-00000001"), overwrite=True)   # a checkpoint: replaced
+  assert [s for s, _ in ck.list_steps(str(many))] == [0, 1]
+  assert not [n for n in os.listdir(tmp_path) if n.startswith((".tmp-", ".trash-"))]
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_saves_never_replace_each_other(tmp_path):
+  """Two saves of one path with ``overwrite=False``: one wins, the other raises
+  ``FileExistsError`` (both succeeded, the second replacing the first); into a directory
+  of checkpoints, both find a step of their own. A ``PeriodicCheckpointer`` goes on after
+  a manual save into its directory (it collided with its own step count and stopped)."""
+  tables = []
+  for k in range(2):
+    t = fr.Table(pairing_spec(0))
+    t.insert(items(2 + k, 10 * k))
+    tables.append(t)
+  for r in range(8):
+    path = str(tmp_path / f"race{r}")
+    got = {}
+    barrier = threading.Barrier(2)
+
+    def save(k, path=path, got=got, barrier=barrier):
+      barrier.wait()
+      try:
+        tables[k].save(path)
+        got[k] = "saved"
+      except FileExistsError:
+        got[k] = "refused"
+
+    ths = [threading.Thread(target=save, args=(k,)) for k in range(2)]
+    for th in ths:
+      th.start()
+    for th in ths:
+      th.join(60)
+    assert sorted(got.values()) == ["refused", "saved"], got
+    winner = next(k for k, v in got.items() if v == "saved")
+    assert fr.Table.restore(path).size == tables[winner].size
+  many = str(tmp_path / "many")
+  ths = [threading.Thread(target=lambda k=k: tables[k].save(many, keep_last=10))
+         for k in range(2) for _ in range(3)]
+  for th in ths:
+    th.start()
+  for th in ths:
+    th.join(60)
+  assert [s for s, _ in ck.list_steps(many)] == list(range(6))
+  periodic = str(tmp_path / "periodic")
+  with ck.PeriodicCheckpointer(tables[0], periodic, every_s=0.05, keep_last=5) as pc:
+    deadline = time.monotonic() + 30
+    while not ck.list_steps(periodic):
+      assert time.monotonic() < deadline
+      time.sleep(0.01)
+    tables[0].save(periodic, keep_last=5)              # a manual save takes the next step
+    n = len(pc.saved)
+    while len(pc.saved) < n + 2:
+      assert pc.running and time.monotonic() < deadline, pc.check()
+      time.sleep(0.01)
+  for t in tables:
+    t.close()
