@@ -336,14 +336,11 @@ def _read_checked(path: str, e: Dict[str, Any]) -> np.ndarray:
   if list(shape) != e["shape"] or dtype != want_dtype:
     raise CheckpointError(f"{fpath}: holds {dtype.name}{list(shape)}, the manifest says "
                           f"{want_dtype.name}{e['shape']} (leaf {e['leaf']}); corrupted.")
-  try:
+  try:  # the header just checked: np.load reads the same shape and dtype
     stored = np.load(fpath, allow_pickle=False)
   except Exception as err:  # noqa: BLE001 (a truncated or damaged file, however it fails)
     raise CheckpointError(f"{fpath}: cannot load (leaf {e['leaf']}): {type(err).__name__}: "
                           f"{err}; the file is truncated or corrupted.") from None
-  if list(stored.shape) != e["shape"] or stored.dtype != want_dtype:
-    raise CheckpointError(f"{fpath}: holds {stored.dtype.name}{list(stored.shape)}, the manifest "
-                          f"says {want_dtype.name}{e['shape']} (leaf {e['leaf']}); corrupted.")
   return stored.view(_dtype(e["dtype"], fpath)) if e["stored_as"] else stored
 
 

@@ -219,10 +219,10 @@ extern "C" int funcreplay_direct_sample(const DirectSample* cfg_ptr) {
     limiter_ok = limiter_ok && diff - cfg.q * n_valid >= cfg.q_min;
   }
   const bool ok = limiter_ok && cnt >= cfg.min_valid;
+  // Refused, nothing runs: the caller's buffer (``out``, which may hold the batch of an
+  // earlier call) and the key stay as they were; the jitted path copies a batch into
+  // ``out`` only on success too (host/table_sampling.py).
   if (ok) {
-    // Refused: nothing runs, so the caller's buffer (``out``, which may hold the batch
-    // of an earlier call) and the key stay as they were; the jitted path copies a batch
-    // into ``out`` only on success too (host/table_sampling.py).
     job.enabled = true;
     RunSample(job);  // the prologue already ran: its results are kept
     std::memcpy(columns[7], &cnt, sizeof cnt);
