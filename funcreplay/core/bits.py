@@ -115,6 +115,12 @@ def words(key, n: int):
   return w[0], w[1]
 
 
+def uniform24(word):
+  """float32 in [0, 1): the top 24 bits of a uint32 ``word`` times 2**-24 (exact; the
+  native kernels' ``Uniform24``)."""
+  return (word >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
 def mulhi32(a, b):
   """High 32 bits of the 64-bit product of uint32 arrays ``a`` and ``b`` (16-bit limbs)."""
   a0, a1 = a & _U16, a >> 16

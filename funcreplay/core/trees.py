@@ -6,7 +6,7 @@ and slot ``s`` is leaf ``P + s``. Index 0 is unused.
 
 * Sum trees (int32 counts or float32 weights) give O(log C) prefix-sum
   descents: the k-th occupied or free slot, or a slot drawn proportionally to
-  its weight.
+  its weight (``weight_descent``).
 * Arg-best trees hold, at every node, the slot of the best leaf below it
   under a comparator (oldest key, lowest priority, ...), or -1. The root is
   the remover's next victim.
@@ -239,88 +239,6 @@ def total(tree: jnp.ndarray) -> jnp.ndarray:
 
 def leaf_values(tree: jnp.ndarray, slots: jnp.ndarray) -> jnp.ndarray:
   return tree[tree.shape[0] // 2 + slots]
-
-
-def descend_weight(tree: jnp.ndarray, targets: jnp.ndarray) -> jnp.ndarray:
-  """Slots whose prefix-sum interval contains ``targets`` (``[M]`` in [0, total)).
-
-  Never returns a zero-weight leaf while the total is positive: at each node a
-  child whose subtree sums to zero is never entered (this is what keeps
-  zero-priority items unsampleable after any number of float updates).
-  """
-  p = tree.shape[0] // 2
-  node = jnp.ones(targets.shape, jnp.int32)
-  u = targets
-  for _ in range(depth(p)):
-    left = 2 * node
-    lsum = tree[left]
-    rsum = tree[left + 1]
-    go_right = (u >= lsum) & (rsum > 0) | (lsum <= 0)
-    u = jnp.where(go_right, u - lsum, u)
-    node = left + go_right.astype(jnp.int32)
-  return node - p
-
-
-def descend_weight_blocked(tree: jnp.ndarray, targets: jnp.ndarray, materialize: Callable,
-                           levels: int = 2, top_depth: int = 13) -> jnp.ndarray:
-  """``descend_weight``, bit for bit, ``levels`` binary levels per step.
-
-  Each step reads the ``2**levels`` nodes ``levels`` levels below the current
-  one (one aligned run: a single cache line, where a read of each level
-  was one line per level), rebuilds the levels between as their pairwise
-  sums (the stored nodes, bit for bit: every node is ``fl(left + right)``),
-  and takes the same binary decisions, with the same float operations, among
-  them. ``materialize`` (``inplace.materialize``) computes ``(node, target)``
-  once between steps, else XLA recomputes every earlier step in each load.
-  In a scan, 2 levels per step measured ~1.3x the speed of ``descend_weight``
-  for M = 384 targets (3 levels ~1.25x, 4 less, 6 slower than one level);
-  reading only the deepest level then took the prioritized step from 267 to
-  213 us (3 levels: 255; 4: several times slower; BUILD.md finding 25).
-  """
-  p = tree.shape[0] // 2
-  node = jnp.ones(targets.shape, jnp.int32)
-  u = targets
-  left = depth(p)
-  # The nodes down to depth ``top_depth`` are read from a copy of their own (64 KB):
-  # XLA:CPU splits a fusion that reads an operand over 256 KB across 2 threads, and
-  # under load each hand-off costs microseconds (the in-scan prioritized step measured
-  # ~10% less CPU time than reading the tree throughout). O(2**top_depth), independent
-  # of the capacity.
-  top_depth = min(left, top_depth)
-  top = tree
-  if top_depth:
-    top = lax.bitcast_convert_type(materialize(lax.bitcast_convert_type(
-        tree[:2 << top_depth], jnp.int32)), tree.dtype)
-  depth_now = 0
-  while left:
-    step = min(levels, left)
-    depth_now += step
-    src = top if depth_now <= top_depth else tree
-    # The nodes at depth ``step`` below ``node`` are node * 2**step + [0, 2**step): one
-    # aligned run of 2**step floats (one cache line up to 16). The levels between are
-    # their pairwise sums, which are the stored nodes bit for bit (every node is
-    # fl(left + right) of its children, the module's invariant): one line read per step
-    # instead of one per level.
-    below = {(step, i): src[node * (1 << step) + i] for i in range(1 << step)}
-    for d in range(step - 1, 0, -1):
-      for i in range(1 << d):
-        below[(d, i)] = below[(d + 1, 2 * i)] + below[(d + 1, 2 * i + 1)]
-    r = jnp.zeros_like(node)  # the path so far, relative to ``node``
-    for d in range(1, step + 1):
-      lsum, rsum = jnp.zeros_like(u), jnp.zeros_like(u)
-      for i in range(0, 1 << d, 2):
-        here = 2 * r == i
-        lsum = jnp.where(here, below[(d, i)], lsum)
-        rsum = jnp.where(here, below[(d, i + 1)], rsum)
-      go_right = (u >= lsum) & (rsum > 0) | (lsum <= 0)
-      u = jnp.where(go_right, u - lsum, u)
-      r = 2 * r + go_right.astype(jnp.int32)
-    node = node * (1 << step) + r
-    left -= step
-    if left:
-      both = materialize(jnp.concatenate([node, lax.bitcast_convert_type(u, jnp.int32)]))
-      node, u = both[:node.shape[0]], lax.bitcast_convert_type(both[node.shape[0]:], u.dtype)
-  return node - p
 
 
 def descend_count(tree: jnp.ndarray, k: jnp.ndarray, free: bool) -> jnp.ndarray:

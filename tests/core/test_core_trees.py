@@ -1,5 +1,5 @@
 """Core contract tests, trees: the occupancy and sum trees' incremental refreshes equal a
-rebuild bit for bit, and the blocked weight descent takes the binary descent's path."""
+rebuild bit for bit (the weight descents: test_weight_descent.py)."""
 
 from __future__ import annotations
 
@@ -66,27 +66,6 @@ def test_sum_tree_block_refresh_is_bit_identical(capacity, updates, seed):
                             dense=dense)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want, err_msg=f"{dense=}")
   np.testing.assert_allclose(np.asarray(few[1]), leaves.astype(np.float64).sum(), rtol=1e-5)
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.integers(0, 12), st.floats(0, 1), st.integers(0, 2**16))
-def test_blocked_weight_descent_is_the_binary_descent(log_p, zero_frac, seed):
-  """``descend_weight_blocked`` (2 levels per step on CPU, 4 elsewhere, and others) takes the
-  binary descent's path, bit for bit, zero-weight leaves and targets at the interval ends
-  included."""
-  from funcreplay.core import inplace, trees
-  rng = np.random.default_rng(seed)
-  p = 1 << log_p
-  leaves = (rng.random(p) * (rng.random(p) >= zero_frac)).astype(np.float32)
-  leaves[rng.integers(p)] = 1.0
-  tree = trees.build_sum(jnp.asarray(leaves))
-  u = np.r_[rng.random(61), 0.0, 1.0 - 2**-24].astype(np.float32) * np.asarray(tree[1])
-  want = trees.descend_weight(tree, jnp.asarray(u))
-  # (4, 13): the accelerators' levels a step (sampling.exact.ACCELERATOR_WEIGHT_LEVELS).
-  for levels, top_depth in ((1, 13), (2, 13), (3, 13), (4, 13), (2, 0), (2, 3), (3, 4), (4, 0)):
-    got = trees.descend_weight_blocked(tree, jnp.asarray(u), inplace.materialize, levels,
-                                       top_depth)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @settings(max_examples=30, deadline=None)

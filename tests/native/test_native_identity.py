@@ -201,3 +201,30 @@ def test_non_threefry_keys_run_the_portable_program():
     outs.append(jax.jit(lambda s, k, t=t: t.sample(s, k, batch_size=4))(
         s, jax.random.key(3, impl="rbg")))
   assert_bit_identical(outs[0], outs[1], "rbg key")
+
+
+@pytest.mark.parametrize("capacity", [300, 5000, 70_000])
+def test_two_stage_prioritized_draws_are_bit_identical_in_large_tables(capacity):
+  """From 256 leaves the weight descent redraws its target halfway down
+  (``weight_descent.redraw_depth``: depths 4, 4 and 8 here): the kernel's ``DescendWeight``
+  redraws at the same node with the same word, with and without replacement, under a mask
+  (its own tree, and the exact completion when few items are eligible)."""
+  spec = fr.TableSpec(capacity, ITEM, sampler=fr.Prioritized(0.8))
+  rs = np.random.default_rng(capacity)
+  n = capacity - 7  # a partial last node
+  prio = jnp.asarray(rs.choice([0.0, 0.1, 1.0, 30.0], n) * rs.random(n), jnp.float32)
+  sample = {}
+  states = {}
+  for native in (True, False):
+    t = fr.make_table(spec, native=native)
+    states[native] = jax.jit(t.insert)(t.init(), items_from_ids(np.arange(n)), priority=prio)
+    sample[native] = jax.jit(t.sample, static_argnames=("batch_size", "replace"))
+  assert_bit_identical(states[True], states[False], "insert")
+  few = jnp.asarray(rs.random(capacity) < 40 / capacity)  # ~40 eligible: the completion runs
+  half = jnp.asarray(rs.random(capacity) < 0.5)
+  for i, (b, replace, where) in enumerate([(256, False, None), (64, True, None),
+                                           (32, False, half), (64, False, few)]):
+    outs = [sample[native](states[native], jax.random.PRNGKey(i), batch_size=b,
+                           replace=replace, where=where) for native in (True, False)]
+    assert_bit_identical(outs[0][1], outs[1][1], f"sample {i}")
+    assert_bit_identical(outs[0][0], outs[1][0], f"state after sample {i}")

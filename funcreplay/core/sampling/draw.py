@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import bits, fixedpoint, indexes, inplace, powers, trees
+from funcreplay.core import bits, fixedpoint, indexes, inplace, powers, trees, weight_descent
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -67,6 +67,15 @@ def first_occurrence(d):
   return first, jnp.zeros((m,), d.dtype).at[s_pos].set(s_d, unique_indices=True)
 
 
+def by_weight(tree, hi, lo):
+  """``exact.successive``'s i.i.d. descents of the sum ``tree`` by the random words ``hi``,
+  ``lo`` (uint32[M]): target ``uniform24(hi) * total`` (materialized, so that no backend
+  fuses the product into the first subtraction), redrawn from ``uniform24(lo)``."""
+  targets = lax.bitcast_convert_type(inplace.materialize(lax.bitcast_convert_type(
+      bits.uniform24(hi) * tree[1], jnp.int32)), jnp.float32)
+  return weight_descent.descend_weight(tree, targets, bits.uniform24(lo))
+
+
 class Weights:
   """Uniform (occupancy counts) or prioritized (p**alpha) weight tree."""
 
@@ -78,9 +87,20 @@ class Weights:
   def total(self, tree):
     return tree[1]
 
-  def draw(self, tree, u):
+  def draw(self, tree, hi, lo):
+    """Slots drawn i.i.d. by the random words ``hi``, ``lo`` (uint32[M]): proportionally
+    to weight (``exact.successive``'s descent: target ``uniform24(hi) * total``, redrawn
+    from ``lo``), or uniformly over the occupied slots (the ``below(hi, lo, count)``-th)."""
     if self.prioritized:
-      return trees.descend_weight(tree, u * tree[1])
+      return by_weight(tree, hi, lo)
+    k = bits.below(hi, lo, jnp.maximum(tree[1], 1).astype(jnp.uint32)).astype(jnp.int32)
+    return trees.descend_count(tree, k, free=False)
+
+  def draw_at(self, tree, u, fresh):
+    """The slots at fractions ``u`` (float32[M] in [0, 1)) of the total weight (or of the
+    occupied slots), the prioritized descent redrawn from ``fresh`` (float32[M])."""
+    if self.prioritized:
+      return weight_descent.descend_weight(tree, u * tree[1], fresh)
     tot = tree[1]
     k = jnp.minimum((u * tot.astype(jnp.float32)).astype(jnp.int32), tot - 1)
     return trees.descend_count(tree, jnp.maximum(k, 0), free=False)
@@ -128,22 +148,24 @@ def draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_a
   b = batch_size
   m = candidates_per_round(b)
 
-  def draw(tree, u):
+  def draw(tree, words):
     if window is None:
-      return w.draw(tree, u)
+      return w.draw(tree, *words)
     start, filled, hole_free = window
-    by_ring = lambda: (start + jnp.minimum((u * filled).astype(jnp.int32), filled - 1)  # noqa: E731
-                       ) % spec.capacity
-    return lax.cond(hole_free, by_ring, lambda: w.draw(tree, u))
+    hi, lo = words
+    by_ring = lambda: (start + bits.below(  # noqa: E731
+        hi, lo, jnp.maximum(filled, 1).astype(jnp.uint32)).astype(jnp.int32)) % spec.capacity
+    return lax.cond(hole_free, by_ring, lambda: w.draw(tree, hi, lo))
 
   track = masked or not replace  # candidates can be rejected: find repeats, zero them
 
-  def one_round(tree, picked, n, u, alive):
-    """Candidates from ``tree``; ``alive``: False once the tree holds no weight."""
+  def one_round(tree, picked, n, words, alive):
+    """Candidates from ``tree`` by the random ``words`` (``(hi, lo)`` uint32[M]);
+    ``alive``: False once the tree holds no weight."""
     if track:
-      first, d = first_occurrence(draw(tree, u))
+      first, d = first_occurrence(draw(tree, words))
     else:
-      first, d = True, draw(tree, u)
+      first, d = True, draw(tree, words)
     # A tree draw never lands on a zeroed leaf; a ring draw may (a repeat from
     # an earlier round): it is not fresh, and never zeroed twice.
     fresh = (trees.leaf_values(tree, d) > 0) & alive if window is not None else alive
@@ -155,12 +177,12 @@ def draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_a
     remove = ((~ok if replace else take | ~ok) & first) & fresh & track
     return picked, n + jnp.sum(take, dtype=jnp.int32), jnp.where(remove, d, -1)
 
-  # Uniforms for later rounds are drawn only when those rounds run: on CPU
+  # Random words for later rounds are drawn only when those rounds run: on CPU
   # the threefry draws cost more than the rest of a round.
   k_first, k_more, fallback_key = jax.random.split(rng, 3)
   tree0 = w.tree if reads is None else inplace.tie(w.tree, inplace.never(reads))
   picked, n, cand = one_round(tree0, jnp.full((b,), -1, jnp.int32), jnp.int32(0),
-                              jax.random.uniform(k_first, (m,)), w.total(tree0) > 0)
+                              bits.words(k_first, m), w.total(tree0) > 0)
   touched = lax.dynamic_update_slice(jnp.full((ROUNDS * m,), -1, jnp.int32), cand, (0,))
 
   def cond(c):
@@ -173,8 +195,8 @@ def draw_weighted(spec, state, rng, batch_size, replace, eligible_fn, eligible_a
       prev = lax.dynamic_slice(touched, ((rnd - 1) * m,), (m,))
       tree = w.zero(tree, jnp.maximum(prev, 0), prev >= 0)
     alive = w.total(tree) > 0
-    u = jax.random.uniform(jax.random.fold_in(k_more, rnd), (m,))
-    picked, n, cand = one_round(tree, picked, n, u, alive)
+    words = bits.words(jax.random.fold_in(k_more, rnd), m)
+    picked, n, cand = one_round(tree, picked, n, words, alive)
     touched = lax.dynamic_update_slice(touched, cand, (rnd * m,))
     return tree, picked, n, jnp.where(alive, rnd + 1, ROUNDS), touched
 
@@ -224,16 +246,12 @@ def _complete(spec, key, n, replace, weights_fn, picked):
   pos = jnp.arange(b) - n
   if replace:
     # I.i.d. descents of a tree built over the weights, as ``exact.successive`` draws with
-    # replacement (stream 0's 24-bit uniforms, the targets materialized so that no backend
-    # fuses ``u * total`` into the descent's first subtraction).
+    # replacement (stream 0's words, ``Weights.draw``).
     p = spec.tree_size
     tree = trees.build_sum(jnp.zeros((p,), jnp.float32).at[:spec.capacity].set(
         jnp.where(ok, weights, 0.0)))
-    hi, _ = bits.words(key, b)
-    u = (hi >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
-    targets = lax.bitcast_convert_type(
-        inplace.materialize(lax.bitcast_convert_type(u * tree[1], jnp.int32)), jnp.float32)
-    draws = jnp.where(tree[1] > 0, trees.descend_weight(tree, targets), -1)
+    hi, lo = bits.words(key, b)
+    draws = jnp.where(tree[1] > 0, by_weight(tree, hi, lo), -1)
     extra = draws[jnp.clip(pos, 0, b - 1)]
   else:  # exponential races, the k smallest: the same keys on every backend (powers)
     k = min(b, spec.capacity)
@@ -259,10 +277,10 @@ def ring_window(spec: TableSpec, state: TableState):
 def draw_stratified(spec, state, rng, batch_size):
   """One draw per equal-mass stratum of the weight tree, rows in random order."""
   w = Weights(spec, state)
-  k1, k2 = jax.random.split(rng)
+  k1, k2, k3 = jax.random.split(rng, 3)
   u = fixedpoint.divide(jnp.arange(batch_size) + jax.random.uniform(k1, (batch_size,)),
                         float(batch_size))  # the same bits on every backend
-  slots = w.draw(w.tree, jnp.minimum(u, 1.0 - 1e-7))
+  slots = w.draw_at(w.tree, jnp.minimum(u, 1.0 - 1e-7), jax.random.uniform(k3, (batch_size,)))
   # Rows in random order: a slot-sorted batch biases consumers that split it.
   slots = jax.random.permutation(k2, slots)
   # A drawn leaf has weight > 0 exactly when the total is > 0. (The root, a

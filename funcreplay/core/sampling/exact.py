@@ -9,7 +9,9 @@ float sum whose order XLA chooses: everything a kernel must reproduce is integer
 arithmetic, ``fl(a + b)`` sums in a fixed tree order, ``u * total`` and the descents.
 
 * ``successive`` (Prioritized, any masks): ``M = B + max(8, B // 2)`` i.i.d. descents of a
-  sum tree on stream 0 (``M = B`` with ``replace``: those are the batch), the first ``B``
+  sum tree on stream 0, target ``uniform24(hi) * total`` redrawn as ``uniform24(lo) *`` the
+  node's sum at ``weight_descent.redraw_depth`` (``M = B`` with ``replace``: those are the
+  batch), the first ``B``
   distinct in draw order; when fewer, rounds ``j = 1, 2, ...`` on a copy of the tree with
   every slot picked so far zeroed, ``M`` descents on stream ``j`` each, keeping first
   occurrences, until the batch is full or no weight is left (each round adds at least one
@@ -33,11 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import bits, inplace, trees
+from funcreplay.core import bits, inplace, trees, weight_descent
 from funcreplay.core.sampling.draw import ROUNDS, candidates_per_round, first_occurrence
 from funcreplay.core.sampling.uniform_lean import kth_occupied
-
-_U24 = 2.0**-24  # float32 resolution of a uniform in [0, 1) from 24 random bits
 
 
 def key_words(rng):
@@ -95,10 +95,6 @@ def positions(rng, n, b: int, replace: bool, stream, n_max: int = 1 << 31):
   return bits.resolve(j, n_max), valid
 
 
-def _uniform24(hi):
-  return (hi >> 8).astype(jnp.float32) * jnp.float32(_U24)
-
-
 def first_b(d, b: int, n_max: int):
   """``(picked int32[b], n)``: the first ``b`` distinct values of ``d`` (int32[M] in
   ``[0, n_max)``) in draw order, -1 padded; ``n`` how many."""
@@ -128,8 +124,8 @@ def _complete_successive(tree, rng, picked, n, m: int):
     t, picked, n, j, pending = c
     t = trees.refresh_sum(t, jnp.maximum(pending, 0), jnp.zeros((b,), t.dtype), pending >= 0)
     alive = t[1] > 0
-    hi, _ = stream_words(rng, m, j)
-    d = _descend_weight(t, _uniform24(hi) * t[1], inplace.materialize)
+    hi, lo = stream_words(rng, m, j)
+    d = _descend_weight(t, bits.uniform24(hi) * t[1], bits.uniform24(lo), inplace.materialize)
     new, _ = first_b(d, b, p)  # this round's distinct slots, in draw order
     rank = jnp.arange(b, dtype=jnp.int32)
     take = (new >= 0) & (rank < b - n) & alive
@@ -146,31 +142,36 @@ def _complete_successive(tree, rng, picked, n, m: int):
 # kernel (~1 us whatever its work): 4 levels (16 one-element reads a target, then their
 # pairwise sums) take the 18 levels of a 262,144-slot tree in 5 steps instead of 9, three
 # kernels fewer a prioritized step (experiments/accel_hlo.py, BUILD.md finding 27; 6 levels
-# no fewer). XLA:CPU runs 2 levels a step fastest (``trees.descend_weight_blocked``).
+# no fewer). XLA:CPU runs 2 levels a step fastest (``weight_descent.descend_weight_blocked``).
 ACCELERATOR_WEIGHT_LEVELS = 4
 
 
-def _descend_weight(tree, targets, materialize):
-  """``trees.descend_weight_blocked`` with each backend's levels a step: the same leaves,
-  bit for bit (chosen when the program is lowered: no condition in it)."""
+def _descend_weight(tree, targets, fresh, materialize):
+  """``weight_descent.descend_weight_blocked`` with each backend's levels a step: the same
+  leaves, bit for bit (chosen when the program is lowered: no condition in it)."""
   return lax.platform_dependent(
-      tree, targets, cpu=lambda t, u: trees.descend_weight_blocked(t, u, materialize),
-      default=lambda t, u: trees.descend_weight_blocked(t, u, materialize,
-                                                        levels=ACCELERATOR_WEIGHT_LEVELS))
+      tree, targets, fresh,
+      cpu=lambda t, u, f: weight_descent.descend_weight_blocked(t, u, f, materialize),
+      default=lambda t, u, f: weight_descent.descend_weight_blocked(t, u, f, materialize,
+                                                           levels=ACCELERATOR_WEIGHT_LEVELS))
 
 
 def successive(tree, rng, b: int, replace: bool, n_max: int):
   """Prioritized draw from the sum ``tree`` (module doc): int32[b] slots, -1 padded."""
   m = b if replace else candidates_per_round(b)
   total = tree[1]
-  hi, _ = bits.words(rng, m)
+  hi, lo = bits.words(rng, m)
   # The targets on their own (materialized): fused into the descent's first subtraction,
   # ``u * total - left`` may become one fused multiply-add on a GPU (one rounding, not two),
   # and the same key would descend differently there.
-  targets = lax.bitcast_convert_type(inplace.materialize(
-      lax.bitcast_convert_type(_uniform24(hi) * total, jnp.int32)), jnp.float32)
-  # Bit for bit trees.descend_weight, 2 levels per step on CPU (faster in a scan).
-  d = _descend_weight(tree, targets, inplace.materialize)
+  # With the redraw's uniforms, in one materialization (on a GPU one kernel: the random
+  # words are computed once, not again in the step of the redraw).
+  both = lax.bitcast_convert_type(inplace.materialize(lax.bitcast_convert_type(
+      jnp.concatenate([bits.uniform24(hi) * total, bits.uniform24(lo)]), jnp.int32)),
+      jnp.float32)
+  targets, fresh = both[:m], both[m:]
+  # Bit for bit weight_descent.descend_weight, 2 levels per step on CPU (faster in a scan).
+  d = _descend_weight(tree, targets, fresh, inplace.materialize)
   alive = total > 0
   if replace:
     return jnp.where(alive, d, -1)

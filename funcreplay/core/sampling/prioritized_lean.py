@@ -6,9 +6,11 @@ no staleness mask and ``max_times_sampled == 0``. Any remover.
 Program (B batch, M = B + max(8, B // 2) candidates, T = ``weight_tree[1]``):
 
 1. ``M`` i.i.d. draws proportional to weight: ``u_m = (hi_m >> 8) * 2**-24``
-   (``bits.words(rng, M)``, a float32 in [0, 1)), target ``u_m * T``, one
-   vectorized descent of the weight tree (``trees.descend_weight_blocked``:
-   ``trees.descend_weight`` bit for bit, 2 levels per step on CPU, 4 elsewhere), O(M log P).
+   (``bits.words(rng, M)``, a float32 in [0, 1)), target ``u_m * T``, redrawn as
+   ``(lo_m >> 8) * 2**-24`` times the reached node's sum about halfway down
+   (``weight_descent.redraw_depth``); one vectorized descent of the weight tree
+   (``weight_descent.descend_weight_blocked``: ``descend_weight`` bit for bit, 2 levels
+   per step on CPU, 4 elsewhere), O(M log P).
 2. Without replacement: keep the first occurrence of each slot, in draw
    order, and the first B of those (one sort of M pairs). I.i.d. draws with
    repeats discarded are exactly successive sampling (sampling without

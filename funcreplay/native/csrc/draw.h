@@ -32,13 +32,26 @@ inline float Select(uint32_t bit, float x) {
   return x;
 }
 
-// trees.descend_weight for n targets at once: level by level over all of
+// weight_descent.redraw_depth: the depth at which a weight descent draws its target afresh,
+// 4 * (depth / 8) (0: none; weight_descent.REDRAW_ALIGN says why).
+inline int64_t RedrawDepth(int64_t p) {
+  int64_t depth = 0;
+  while ((int64_t{1} << (depth + 1)) <= p) ++depth;
+  return 4 * (depth / 8);
+}
+
+// weight_descent.descend_weight for n targets at once: level by level over all of
 // them, prefetching the next level, so the cache misses of the descents
 // overlap; each step branch-free (its direction is a coin flip ~20 times per
-// draw, which the branch predictor would miss half the time).
-inline void DescendWeight(const float* tree, int64_t p, float* target, int64_t n, int32_t* out) {
+// draw, which the branch predictor would miss half the time). At depth
+// RedrawDepth(p) the target becomes fresh[i] * the reached node's sum.
+inline void DescendWeight(const float* tree, int64_t p, float* target, const float* fresh,
+                          int64_t n, int32_t* out) {
   std::vector<int64_t> node(n, 1);
+  const int64_t redraw = RedrawDepth(p);
+  int64_t depth = 0;
   for (int64_t level = 1; level < p; level <<= 1) {
+    ++depth;
     for (int64_t i = 0; i < n; ++i) __builtin_prefetch(tree + 2 * node[i]);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t left = 2 * node[i];
@@ -50,6 +63,9 @@ inline void DescendWeight(const float* tree, int64_t p, float* target, int64_t n
                              static_cast<uint32_t>(lsum <= 0.0f);
       target[i] -= Select(right, lsum);
       node[i] = left + right;
+    }
+    if (depth == redraw) {
+      for (int64_t i = 0; i < n; ++i) target[i] = fresh[i] * tree[node[i]];
     }
   }
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(node[i] - p);
@@ -120,7 +136,8 @@ inline int64_t DrawUniformLean(const int32_t* tree, int64_t p, int64_t c, int32_
 
 // draw.successive: prioritized sampling from the sum tree ``tree`` (the
 // table's weight tree, or its masked copy). M = B + max(8, B / 2) i.i.d.
-// descents on stream 0 (M = B with replacement: those are the batch); the
+// descents on stream 0, targets from the hi words and redrawn from the lo
+// words (M = B with replacement: those are the batch); the
 // first B distinct in draw order; if fewer, rounds j = 1, 2, ... on a copy
 // with every slot picked so far zeroed, M descents on stream j each, keeping
 // first occurrences, until B or no weight is left. Returns the valid rows.
@@ -129,12 +146,15 @@ inline int64_t Successive(const float* tree, int64_t p, uint32_t k0, uint32_t k1
   const float total = tree[1];
   if (!(total > 0.0f)) return 0;
   const int64_t m = replace ? b : CandidatesPerRound(b);
-  std::vector<uint32_t> hi(m);
-  std::vector<float> target(m);
+  std::vector<uint32_t> hi(m), lo(m);
+  std::vector<float> target(m), fresh(m);
   std::vector<int32_t> d(m);
-  StreamWords(k0, k1, 0, m, m, hi.data(), nullptr);
-  for (int64_t i = 0; i < m; ++i) target[i] = Uniform24(hi[i]) * total;
-  DescendWeight(tree, p, target.data(), m, d.data());
+  StreamWords(k0, k1, 0, m, m, hi.data(), lo.data());
+  for (int64_t i = 0; i < m; ++i) {
+    target[i] = Uniform24(hi[i]) * total;
+    fresh[i] = Uniform24(lo[i]);
+  }
+  DescendWeight(tree, p, target.data(), fresh.data(), m, d.data());
   if (replace) {
     std::copy(d.begin(), d.begin() + b, picked);
     return b;
@@ -154,10 +174,13 @@ inline int64_t Successive(const float* tree, int64_t p, uint32_t k0, uint32_t k1
   }
   RecomputeSumMany(t.data(), nodes);
   for (int64_t j = 1; n < b && t[1] > 0.0f && j <= MaxCompletionRounds(b); ++j) {
-    StreamWords(k0, k1, static_cast<uint32_t>(j), m, m, hi.data(), nullptr);
+    StreamWords(k0, k1, static_cast<uint32_t>(j), m, m, hi.data(), lo.data());
     const float tot = t[1];
-    for (int64_t i = 0; i < m; ++i) target[i] = Uniform24(hi[i]) * tot;
-    DescendWeight(t.data(), p, target.data(), m, d.data());
+    for (int64_t i = 0; i < m; ++i) {
+      target[i] = Uniform24(hi[i]) * tot;
+      fresh[i] = Uniform24(lo[i]);
+    }
+    DescendWeight(t.data(), p, target.data(), fresh.data(), m, d.data());
     nodes.clear();
     for (int64_t i = 0; i < m && n < b; ++i) {
       if (!seen.Insert(d[i])) continue;
