@@ -117,6 +117,33 @@ def test_uniform_remover_draws_the_victim_among_capacity_plus_one():
   assert sstats.chisquare(counts).pvalue > P_MIN, counts
 
 
+def test_uniform_remover_reaches_every_rank_of_a_large_table():
+  """The victim's rank is ``below(hi, lo, size + 1)`` of 64 random bits. A float32
+  ``u * (size + 1)`` could not reach them all: at 2**25 + 1 items only multiples of 4, and
+  never the new item (rank ``size``); among 1M items some ranks had 8 of the 2**23 values
+  and some 9. Checked on the rule itself with a table of that size described by its size."""
+  from types import SimpleNamespace
+
+  from funcreplay.core import bits
+  from funcreplay.core.ops.insert import new_item_is_victim
+
+  size = 2**25 + 1
+  state = SimpleNamespace(size=jnp.int32(size))
+  keys = jax.random.split(jax.random.PRNGKey(0), 20_000)
+  draw = jax.jit(jax.vmap(lambda k: new_item_is_victim(
+      fr.Uniform(), state, jnp.float32(1.0), words=bits.words(k, 1))))
+  k, new = (np.asarray(x) for x in draw(keys))
+  assert set(np.unique(k % 4)) == {0, 1, 2, 3}
+  assert k.max() <= size - 1
+  # The new item goes with probability 1 / (size + 1): never seen in 20,000 keys; the
+  # top rank, taken by the existing items, is reachable (a key that gives it):
+  assert not new.any()
+  hi = jnp.uint32(0xFFFFFFFF)
+  k_top, new_top = new_item_is_victim(fr.Uniform(), state, jnp.float32(1.0),
+                                      words=(hi[None], hi[None]))
+  assert bool(new_top) and int(k_top) == size - 1
+
+
 # --- 3. SampleToInsertRatio keeps the exact ratio ------------------------------
 
 @pytest.mark.parametrize("spi,ratio", [(0.3333, (3333, 10000)), (1.0005, (2001, 2000)),

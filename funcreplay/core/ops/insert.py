@@ -240,7 +240,7 @@ def _insert_with_victims(spec, state, need, items, columns, rng):
     # 65,536; BUILD.md finding 14), since reads elsewhere are not ordered before them.
     if isinstance(spec.remover, sel.Uniform):
       k, new_wins = new_item_is_victim(spec.remover, st, columns["priority"][r],
-                                       u=jax.random.uniform(jax.random.fold_in(rng, r)))
+                                       words=bits.words(jax.random.fold_in(rng, r), 1))
       victim = trees.descend_count(st.occ_tree, k[None], free=False)[0]
     else:
       victim = trees.best(st.remover_tree)
@@ -268,7 +268,7 @@ def _insert_with_victims(spec, state, need, items, columns, rng):
   return lax.fori_loop(0, b, one, state)
 
 
-def new_item_is_victim(remover, state, priority, *, victim=None, u=None):
+def new_item_is_victim(remover, state, priority, *, victim=None, words=None):
   """Whether a full table's remover picks the item being inserted (Reverb's rule).
 
   Reverb inserts first, then asks the remover for a victim among the ``C + 1``
@@ -276,7 +276,10 @@ def new_item_is_victim(remover, state, priority, *, victim=None, u=None):
   ``MinHeap`` / ``MaxHeap``: when the new ``priority`` is strictly lower /
   higher than the best existing ``victim``'s (on a tie the item least recently
   inserted or updated goes, never the new one).
-  ``Uniform``: with probability ``1 / (C + 1)`` from the uniform ``u``.
+  ``Uniform``: with probability ``1 / (C + 1)``: rank ``below(hi, lo, size + 1)`` of the
+  random ``words`` (``(hi, lo)`` uint32[1]), exact to 2**-32. (A float32 ``u * (size + 1)``
+  was not: ``jax.random.uniform`` has 2**23 values, so among 1M items some ranks had 8
+  and some 9 of them, and beyond 2**24 items the new item was never the victim.)
 
   Returns:
     ``(k, is_new)``: for ``Uniform``, ``k`` int32[] is the rank of the existing
@@ -288,7 +291,8 @@ def new_item_is_victim(remover, state, priority, *, victim=None, u=None):
     return None, jnp.asarray(True)
   if isinstance(remover, sel.Uniform):
     size = state.size
-    k = jnp.minimum((u * (size + 1).astype(jnp.float32)).astype(jnp.int32), size)
+    hi, lo = words
+    k = bits.below(hi[0], lo[0], (size + 1).astype(jnp.uint32)).astype(jnp.int32)
     return jnp.minimum(k, size - 1), k == size
   sign = 1.0 if isinstance(remover, sel.MinHeap) else -1.0
   return None, priority * sign < item_info.at(state.item_info, victim, "priority") * sign
