@@ -1,4 +1,6 @@
-"""Numeric constants shared by the core and the layers above."""
+"""Numeric constants and checks shared by the core and the layers above."""
+
+import numpy as np
 
 # Floor for a probability, weight or total before a division, a log or a
 # negative power. Rows it guards are masked out anyway (``valid`` False, a
@@ -7,3 +9,18 @@
 # max ~3.4e38), and ``TINY ** alpha`` for alpha <= 1 is still a normal
 # float32 (smallest normal ~1.2e-38). The C++ kernels use the same 1e-30f.
 TINY = 1e-30
+
+
+def beyond(x, dtype):
+  """``(lo, hi)`` of the host integers ``x`` (Python or numpy) when one of them lies
+  outside ``dtype``'s range (converting would wrap it onto another value), else None;
+  None for device or traced arrays (checked by their dtype) and empty ones. The one range
+  check of host integers: rows, keyed calls' keys and metadata, versions, group writers
+  and sharded calls raise their own errors from it."""
+  if hasattr(x, "aval"):
+    return None
+  a = np.asarray(x)
+  if a.dtype.kind not in "iu" or not a.size:
+    return None
+  lo, hi, info = int(a.min()), int(a.max()), np.iinfo(dtype)
+  return (lo, hi) if lo < info.min or hi > info.max else None

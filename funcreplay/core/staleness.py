@@ -41,9 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from funcreplay.core import numerics
 from funcreplay.core.spec import TableSpec
-
-_I32 = np.iinfo(np.int32)
 
 MAX_WINDOW = 4096
 _NONE = jnp.iinfo(jnp.int32).max  # old_min when no old item is left
@@ -77,11 +76,10 @@ def as_version(version, what: str = "version") -> jnp.ndarray:
   x = version if hasattr(version, "dtype") else np.asarray(version)
   if x.dtype.kind not in "iu":
     raise TypeError(f"{what} must be an integer (a policy version), got {x.dtype}.")
-  if not hasattr(version, "aval") and np.asarray(version).size:
-    v = np.asarray(version)
-    lo, hi = int(v.min()), int(v.max())
-    if lo < _I32.min or hi > _I32.max:
-      raise ValueError(f"{what} must fit int32, got {lo if lo < _I32.min else hi}.")
+  bad = numerics.beyond(version, np.int32)
+  if bad:
+    raise ValueError(f"{what} must fit int32, got "
+                     f"{bad[0] if bad[0] < np.iinfo(np.int32).min else bad[1]}.")
   return jnp.asarray(version, jnp.int32)
 
 

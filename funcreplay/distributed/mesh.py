@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from funcreplay.core import counters as ctr
+from funcreplay.core import numerics
 from funcreplay.core import selectors as sel
 from funcreplay.core.functional import FunctionalTable
 from funcreplay.core.ops import rows
@@ -158,12 +159,15 @@ def keyed_args(what: str, n: int, slots, keys, values=None, values_name: str = "
   _, flat, _ = rows.keyed_args(what, s.reshape(-1), k.reshape(-1) if k.ndim else k)
   keys = jnp.broadcast_to(jnp.asarray(flat, jnp.uint32).reshape(k.shape), s.shape)
   if values is not None:
-    v = jnp.asarray(values)
+    v = values if hasattr(values, "dtype") else np.asarray(values)  # host ints: numpy
     if v.dtype.kind not in values_kinds:
       raise TypeError(f"{what}: {values_name} must be "
                       f"{'integers' if values_kinds == 'iu' else 'numbers'}, got {v.dtype}.")
     if "f" in values_kinds:
       values = rows.fit_float(values, np.float32, f"{what}: {values_name}")
+    elif bad := numerics.beyond(v, np.int32):  # would wrap (rows.keyed_args' check)
+      raise ValueError(f"{what}: {values_name} must fit int32, got values in "
+                       f"[{bad[0]}, {bad[1]}].")
     values = per_shard(values, n, s.shape[1], jnp.float32 if "f" in values_kinds
                        else jnp.int32, f"{what}: {values_name}")
   return s.astype(jnp.int32), keys, values

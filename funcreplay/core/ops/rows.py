@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from funcreplay.core import item_info
+from funcreplay.core import item_info, numerics
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -52,10 +52,9 @@ def rows(x, b, dtype, name):
   kinds, names = _KINDS[target.kind]
   if given.dtype.kind not in kinds:
     raise TypeError(f"{name} must be {names}, got {given.dtype}.")
-  if host and given.dtype.kind in "iu" and target.kind in "iu" and given.size:
-    lo, hi, info = int(given.min()), int(given.max()), np.iinfo(target)
-    if lo < info.min or hi > info.max:
-      raise ValueError(f"{name} must fit {target.name}, got values in [{lo}, {hi}].")
+  bad = numerics.beyond(given, target) if host and target.kind in "iu" else None
+  if bad:
+    raise ValueError(f"{name} must fit {target.name}, got values in [{bad[0]}, {bad[1]}].")
   checked = jnp.asarray(x)  # the checks (shape) of any input
   if checked.ndim not in (0, 1) or (checked.ndim == 1 and checked.shape[0] != b):
     raise ValueError(f"{name} must be a scalar or have shape [{b}], got "
@@ -113,18 +112,17 @@ def keyed_args(what: str, slots, keys, values=None, values_name: str = "values",
       raise ValueError(f"{what}: {name} must be a scalar or of the slots' shape "
                        f"{list(slots_in.shape)}, got {list(x.shape)}.")
   # Keys are uint32: a host key outside [0, 2**32) would wrap onto another item's key.
-  if keys is not None and not hasattr(keys, "aval") and np.asarray(keys).size:
-    k = np.asarray(keys)
-    if int(k.min()) < 0 or int(k.max()) > 0xFFFFFFFF:
+  if keys is not None and not hasattr(keys, "aval"):
+    bad = numerics.beyond(keys, np.uint32)
+    if bad:
       raise ValueError(f"{what}: keys are uint32 (Sample.info.key), got values in "
-                       f"[{int(k.min())}, {int(k.max())}].")
-    keys = k.astype(np.uint32)
+                       f"[{bad[0]}, {bad[1]}].")
+    keys = np.asarray(keys).astype(np.uint32)
   # Integer values are int32 (metadata): a host value beyond it would wrap.
-  if values is not None and values_kinds == "iu" and not hasattr(values, "aval"):
-    v = np.asarray(values)
-    if v.size and (int(v.min()) < -2**31 or int(v.max()) > 2**31 - 1):
-      raise ValueError(f"{what}: {values_name} must fit int32, got values in "
-                       f"[{int(v.min())}, {int(v.max())}].")
+  bad = numerics.beyond(values, np.int32) if values_kinds == "iu" else None
+  if bad:
+    raise ValueError(f"{what}: {values_name} must fit int32, got values in "
+                     f"[{bad[0]}, {bad[1]}].")
   return slots_in.astype(jnp.int32), keys, values
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Hashable, Optional
 
 import numpy as np
 
+from funcreplay.core import numerics
 from funcreplay.core.columns import Ragged
 from funcreplay.host.validation import check_timeout
 
@@ -105,10 +106,11 @@ def _lossless(value, dtype, what: str) -> np.ndarray:
                     f"change them. Cast it first (e.g. np.asarray(x, np.{d.name})).")
   with np.errstate(over="ignore", invalid="ignore"):
     b = a.astype(d)
-  if d.kind in "iu" and a.size:
-    info = np.iinfo(d)
-    if int(a.min()) < info.min or int(a.max()) > info.max:
-      raise ValueError(f"{what}: values in [{int(a.min())}, {int(a.max())}] do not fit "
+  if d.kind in "iu":
+    bad = numerics.beyond(a, d)
+    if bad:
+      info = np.iinfo(d)
+      raise ValueError(f"{what}: values in [{bad[0]}, {bad[1]}] do not fit "
                        f"{d.name} ([{info.min}, {info.max}]).")
   elif a.dtype.kind in "iu" and np.any(b.astype(a.dtype) != a):
     raise ValueError(f"{what}: integers beyond {d.name}'s exact range would change.")
