@@ -115,10 +115,21 @@ def words(key, n: int):
   return w[0], w[1]
 
 
+# 24 in a float32's exponent field: subtracting it divides a normal float by 2**24.
+_EXP24 = 24 << 23
+
+
 def uniform24(word):
   """float32 in [0, 1): the top 24 bits of a uint32 ``word`` times 2**-24 (exact; the
-  native kernels' ``Uniform24``)."""
-  return (word >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+  native kernels' ``Uniform24``).
+
+  Scaled by the exponent's bits, not by a multiply: XLA rewrites ``(x * 2**-24) * total``
+  (a broadcast scalar total) as ``x * (total * 2**-24)``, and for a total below 2**-102
+  that scalar is subnormal, flushed to 0 on XLA:CPU: every target was 0, every draw the
+  first leaf (a Prioritized(2.0) table of priorities ~1e-19; found by a review)."""
+  x = (word >> 8).astype(jnp.float32)  # exact: at most 24 bits
+  bits_ = lax.bitcast_convert_type(x, jnp.int32) - _EXP24
+  return jnp.where(x > 0, lax.bitcast_convert_type(bits_, jnp.float32), 0.0)
 
 
 def mulhi32(a, b):

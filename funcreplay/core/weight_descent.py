@@ -10,18 +10,22 @@ library have this limit; flashbax's sum tree too).
 Two stages fix the scale. The descent draws its target afresh at the node it reached at
 depth ``redraw_depth`` (``fresh * node's sum``, ``fresh`` a second, independent uniform),
 so the first stage rounds a node's share of the total to 2**-24 and the second a leaf's
-share of its node to 2**-24 of the node. Each stage spans about half the levels, so the
-realised probability of a leaf is ``w / W`` times ``1 + e`` with ``|e|`` about
-``2**(max(D, L - D) - 24)`` for ``L`` levels, redraw depth ``D`` and comparable weights:
-2**-12 at 2**20 equal weights (tests/core/test_weight_descent.py enumerates every target
-of both stages and checks it), where one stage gave 6%.
+share of its node to 2**-24 of the node. Neither stage spans more than half the levels
+plus 2, so the realised probability of a leaf is ``w / W`` times ``1 + e`` with ``|e|``
+within a few ``2**(max(D, L - D) - 24)`` for ``L`` levels, redraw depth ``D`` and
+comparable weights. Counted exactly over every value of both uniforms, weights in
+[0.5, 1.5): 4.1e-5 at 2**16 leaves (``tests/core/test_weight_descent.py`` checks it),
+4.1e-4 at 2**20 (1.3e-4 for equal weights), where one stage gave 6% among 2**20 equal
+weights. Stratified draws take one stage (``fresh=None``): a stratum's target must pick
+the leaf.
 
 Invariants (both descents, and the native ``DescendWeight``, bit for bit):
 
 * Only ``u >= left``, ``u - left``, ``fresh * sum`` and the stored nodes: no float sum
-  whose order a compiler chooses. A zero-weight subtree is never entered, so while the
-  total is positive no zero-weight leaf is drawn, and the node at the redraw has a
-  positive sum.
+  whose order a compiler chooses (the callers' ``uniform24(hi) * total`` is one product:
+  ``bits.uniform24`` scales by the exponent's bits, which XLA cannot reassociate). A
+  zero-weight subtree is never entered, so while the total is positive no zero-weight
+  leaf is drawn, and the node at the redraw has a positive sum.
 * O(log P) per target; one more multiply and one more random word than one stage.
 """
 
@@ -40,10 +44,14 @@ REDRAW_ALIGN = 4
 
 
 def redraw_depth(tree_size: int) -> int:
-  """The depth at which a weight descent redraws its target: ``4 * (depth // 8)`` (0, no
-  redraw, below 256 leaves, where 2**-24 is already below 2**-16 of any equal share).
-  ``native/csrc/draw.h`` ``RedrawDepth`` is the same rule."""
-  return REDRAW_ALIGN * (trees.depth(tree_size) // (2 * REDRAW_ALIGN))
+  """The depth at which a weight descent redraws its target: the multiple of 4 nearest
+  half the depth, ``4 * ((depth + 4) // 8)``, so neither stage spans more than
+  ``depth // 2 + 2`` levels; 0 (no redraw) below 256 leaves, where 2**-24 is already
+  below 2**-16 of any equal share. ``native/csrc/draw.h`` ``RedrawDepth`` is the same rule."""
+  d = trees.depth(tree_size)
+  if d < 2 * REDRAW_ALIGN:
+    return 0
+  return REDRAW_ALIGN * ((d + REDRAW_ALIGN) // (2 * REDRAW_ALIGN))
 
 
 def _redrawn(fresh, node_sum, materialize: Callable):
@@ -54,12 +62,15 @@ def _redrawn(fresh, node_sum, materialize: Callable):
       fresh * node_sum, jnp.int32)), jnp.float32)
 
 
-def descend_weight(tree: jnp.ndarray, targets: jnp.ndarray, fresh: jnp.ndarray) -> jnp.ndarray:
+def descend_weight(tree: jnp.ndarray, targets: jnp.ndarray,
+                   fresh: jnp.ndarray | None) -> jnp.ndarray:
   """Slots drawn proportionally to the weights: ``targets`` (``[M]`` in [0, total)) pick
   the node at depth ``redraw_depth`` whose prefix-sum interval contains them, and
   ``fresh * that node's sum`` (``fresh``: float32 ``[M]`` uniforms in [0, 1), independent
-  of ``targets``) the leaf below it (see ``REDRAW_ALIGN``). Without a redraw (fewer than
-  256 leaves) ``fresh`` is unused.
+  of ``targets``) the leaf below it (the module doc). Without a redraw (fewer than 256
+  leaves) ``fresh`` is unused. ``fresh=None``: one stage, the target carried down to the
+  leaf (``draw.draw_stratified``: each stratum's target must pick the leaf, or two strata
+  could draw the same item of one node).
 
   Never returns a zero-weight leaf while the total is positive: at each node a
   child whose subtree sums to zero is never entered (this is what keeps
@@ -77,7 +88,7 @@ def descend_weight(tree: jnp.ndarray, targets: jnp.ndarray, fresh: jnp.ndarray) 
     go_right = (u >= lsum) & (rsum > 0) | (lsum <= 0)
     u = jnp.where(go_right, u - lsum, u)
     node = left + go_right.astype(jnp.int32)
-    if level == redraw:
+    if level == redraw and fresh is not None:
       u = _redrawn(fresh, jnp.where(go_right, rsum, lsum), inplace.materialize)
   return node - p
 

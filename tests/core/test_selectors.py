@@ -273,3 +273,18 @@ def test_stratified_option_is_proportional_and_unsorted():
   assert not all((np.diff(r) >= 0).all() for r in slots), "rows are always slot-sorted"
   with pytest.raises(ValueError, match="stratified"):
     table.sample(state, jax.random.PRNGKey(0), batch_size=4, stratified=True)
+
+
+@pytest.mark.parametrize("capacity", [8, 300])
+def test_stratified_draws_one_item_from_each_stratum(capacity):
+  """Two equal weights, two strata: every batch holds both items. From 256 leaves a
+  prioritized descent redraws its target halfway down (``weight_descent``); a stratified
+  one must not (its stratum would pick only a node: half the batches held one item
+  twice, found by a review)."""
+  spec = fr.TableSpec(capacity, ITEM, sampler=fr.Prioritized(1.0))
+  table = fr.make_table(spec)
+  state = table.insert(table.init(), items_from_ids([0, 1]), priority=jnp.ones(2, jnp.float32))
+  slots = jax.jit(jax.vmap(lambda k: table.sample(state, k, batch_size=2, replace=True,
+                                                  stratified=True)[1].info.slot))(
+      jax.random.split(jax.random.PRNGKey(0), 500))
+  assert np.all(np.sort(np.asarray(slots), axis=1) == [0, 1])

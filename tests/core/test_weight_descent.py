@@ -1,7 +1,7 @@
 """Draws proportional to weight (``weight_descent``): the blocked descent takes the binary
 descent's path bit for bit, and the two-stage descent's realised probabilities, counted
-over every target of both stages, are each leaf's share to within ~2**-12 of itself where
-one stage rounded them to 2**-24 of the total."""
+over every target of both stages, are each leaf's share to within a few 2**-16 of itself
+where one stage rounded them to 2**-24 of the total."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 
 from funcreplay.core import inplace, trees, weight_descent
 
-# Every value of a 24-bit uniform: the draws enumerate them in chunks of this many.
+# Values of a 24-bit uniform (``bits.uniform24``): the grid a stage's draw counts over.
 _GRID = 1 << 24
-_CHUNK = 1 << 22
 
 
 @settings(max_examples=25, deadline=None)
@@ -40,34 +39,44 @@ def test_blocked_weight_descent_is_the_binary_descent(log_p, zero_frac, seed):
 
 
 def test_redraw_depth_is_about_half_the_levels():
-  """The rule the native ``RedrawDepth`` repeats: none below 256 leaves, then a multiple of 4
-  that leaves each stage at most half the levels plus 4."""
-  assert [weight_descent.redraw_depth(1 << d) for d in (0, 7, 8, 15, 16, 20, 24, 30)] == [
-      0, 0, 4, 4, 8, 8, 12, 12]
+  """The rule the native ``RedrawDepth`` repeats: none below 256 leaves, then the multiple of
+  4 nearest half the depth: neither stage spans more than half the levels plus 2."""
+  assert [weight_descent.redraw_depth(1 << d) for d in (0, 7, 8, 11, 12, 19, 20, 24, 30)] == [
+      0, 0, 4, 4, 8, 8, 12, 12, 16]
   for d in range(8, 32):
     r = weight_descent.redraw_depth(1 << d)
-    assert r % weight_descent.REDRAW_ALIGN == 0 and 0 < r <= d // 2 and d - r <= d // 2 + 4
+    assert r % weight_descent.REDRAW_ALIGN == 0 and max(r, d - r) <= d // 2 + 2
 
 
-def _counts(descend, tree, targets_of, fresh_of):
-  """How many of the 2**24 grid values ``k`` (``k * 2**-24``) land on each leaf."""
-  p = tree.shape[0] // 2
-  out = np.zeros(p, np.int64)
-  for start in range(0, _GRID, _CHUNK):
-    u = jnp.arange(start, start + _CHUNK, dtype=jnp.uint32).astype(jnp.float32) * 2.0**-24
-    out += np.bincount(np.asarray(descend(tree, targets_of(u), fresh_of(u))), minlength=p)
-  return out
+def _grid(k):
+  """Grid value ``k`` (int32) as the uniform ``k * 2**-24`` (float32, exact)."""
+  return k.astype(jnp.float32) * 2.0**-24
+
+
+def _counts(draw, boundaries):
+  """``c[i]``: how many of the 2**24 grid values ``k`` draw a leaf in ``[boundaries[i],
+  boundaries[i + 1])`` under ``draw`` (int32 ``k`` -> leaf), found by bisection for the
+  first ``k`` at or past each boundary. Exact because a draw is monotone in ``k`` (a
+  larger target never lands on an earlier leaf: every comparison and rounded subtraction
+  of the descent is monotone), which the test also checks on a sample."""
+  b = jnp.asarray(boundaries, jnp.int32)
+  lo, hi = jnp.zeros(b.shape, jnp.int32), jnp.full(b.shape, _GRID, jnp.int32)
+  for _ in range(25):  # 2**24 + 1 candidates
+    mid = (lo + hi) // 2  # < _GRID while lo < hi
+    past = draw(jnp.minimum(mid, _GRID - 1)) >= b
+    lo, hi = jnp.where(~past & (lo < hi), mid + 1, lo), jnp.where(past & (lo < hi), mid, hi)
+  return np.diff(np.asarray(lo, np.int64))
 
 
 def test_every_leaf_is_drawn_with_its_share_to_a_few_parts_in_100_000():
   """Exact realised probabilities, no sampling noise. 50,000 weights in [0.5, 1.5) in a
-  65,536-leaf tree (redraw at depth 8: nodes of 256 leaves). Stage 1: every target value
-  with ``fresh = 0`` (which lands on a node's first positive leaf) gives each node's count;
-  stage 2: every ``fresh`` value below two nodes (the first, and the last, partial one).
-  Realised ``P(leaf) = c1(node) / 2**24 * c2(leaf) / 2**24`` is within 3 grid steps of the
-  share at each stage (a float32 ``fresh * node sum`` has the grid's own spacing, so the
-  roundings merge or skip a step or two). One stage gave each leaf 335 or 336 of the 2**24
-  targets: 0.3% apart here, 6% among 2**20 equal weights."""
+  65,536-leaf tree (redraw at depth 8: nodes of 256 leaves). Stage 1: the 2**24 target
+  values with ``fresh = 0`` (which lands on a node's first positive leaf) give each node's
+  count; stage 2: the 2**24 ``fresh`` values below two nodes (the first, and the last,
+  partial one). Realised ``P(leaf) = c1(node) / 2**24 * c2(leaf) / 2**24`` is within 3 grid
+  steps of the share at each stage (a float32 ``fresh * node sum`` has the grid's own
+  spacing, so the roundings merge or skip a step or two). One stage gave each leaf 335 or
+  336 of the 2**24 targets: 0.3% apart here, 6% among 2**20 equal weights."""
   p, n, node_leaves = 1 << 16, 50_000, 256
   assert trees.depth(p) - weight_descent.redraw_depth(p) == 8  # nodes of 256 leaves
   rng = np.random.default_rng(0)
@@ -76,10 +85,13 @@ def test_every_leaf_is_drawn_with_its_share_to_a_few_parts_in_100_000():
   tree = trees.build_sum(jnp.asarray(leaves))
   total = np.float64(np.asarray(tree[1]))
   descend = jax.jit(weight_descent.descend_weight)
-  zeros = jnp.zeros((_CHUNK,), jnp.float32)
 
-  c1 = _counts(descend, tree, lambda u: u * tree[1], lambda u: zeros)
-  node_count = c1.reshape(-1, node_leaves).sum(axis=1)
+  def stage1(k):
+    return descend(tree, _grid(k) * tree[1], jnp.zeros(k.shape, jnp.float32))
+
+  sample = jnp.asarray(np.sort(rng.integers(0, _GRID, 1 << 16)), jnp.int32)
+  assert np.all(np.diff(np.asarray(stage1(sample))) >= 0)
+  node_count = _counts(stage1, np.arange(0, p + 1, node_leaves))
   node_sum = leaves.astype(np.float64).reshape(-1, node_leaves).sum(axis=1)
   live = node_sum > 0
   assert node_count.sum() == _GRID and np.all(node_count[~live] == 0)
@@ -89,10 +101,13 @@ def test_every_leaf_is_drawn_with_its_share_to_a_few_parts_in_100_000():
   for node in (0, n // node_leaves):
     lo = node * node_leaves
     # Any target inside this node's interval: its first grid value.
-    first = np.flatnonzero(c1[lo:lo + node_leaves])[0] + lo
-    k = int(np.sum(c1[:first]))
-    target = jnp.full((_CHUNK,), jnp.float32(k * 2.0**-24) * tree[1])
-    c2 = _counts(descend, tree, lambda u, t=target: t, lambda u: u)[lo:lo + node_leaves]
+    target = _grid(jnp.int32(node_count[:node].sum())) * tree[1]
+
+    def stage2(k, target=target):
+      return descend(tree, jnp.full(k.shape, target), _grid(k))
+
+    assert np.all(np.diff(np.asarray(stage2(sample))) >= 0)
+    c2 = _counts(stage2, np.arange(lo, lo + node_leaves + 1))
     assert c2.sum() == _GRID and np.all(c2[leaves[lo:lo + node_leaves] == 0] == 0)
     w = leaves[lo:lo + node_leaves].astype(np.float64)
     keep = w > 0
@@ -103,3 +118,20 @@ def test_every_leaf_is_drawn_with_its_share_to_a_few_parts_in_100_000():
     bound = 3 * 2.0**-24 * (1 / node_share[node] + node_sum[node] / w[keep])
     np.testing.assert_array_less(rel, bound)
     assert rel.max() < 6e-5, rel.max()  # 3 grid steps of a 1/256 share: 4.5e-5
+
+
+def test_uniform24_is_exact_and_its_products_are_single_roundings():
+  """``uniform24(w) = (w >> 8) * 2**-24`` exactly, and ``uniform24(w) * total`` in a program
+  is the one rounding of that product even for a total below 2**-102 (where XLA's
+  reassociation to ``x * (total * 2**-24)`` flushed a subnormal to 0)."""
+  from funcreplay.core import bits
+  words = np.array([0, 255, 256, 257, 2**31, 2**32 - 1, 0x12345678, 0xFFFFFF00], np.uint32)
+  want = (words >> 8).astype(np.float32) * np.float32(2.0**-24)
+  np.testing.assert_array_equal(np.asarray(bits.uniform24(jnp.asarray(words))), want)
+  for total in (np.float32(3.6e-37), np.float32(1e-31), np.float32(1.0), np.float32(3e38)):
+    got = jax.jit(lambda w, t: bits.uniform24(w) * t)(jnp.asarray(words), total)
+    product = want * total
+    # XLA:CPU flushes a subnormal result to 0 (a target below every normal weight: the
+    # same leaf either way, as the kernel's unflushed one).
+    product[np.abs(product) < np.finfo(np.float32).tiny] = 0.0
+    np.testing.assert_array_equal(np.asarray(got), product, err_msg=f"{total=}")

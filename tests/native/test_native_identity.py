@@ -206,7 +206,7 @@ def test_non_threefry_keys_run_the_portable_program():
 @pytest.mark.parametrize("capacity", [300, 5000, 70_000])
 def test_two_stage_prioritized_draws_are_bit_identical_in_large_tables(capacity):
   """From 256 leaves the weight descent redraws its target halfway down
-  (``weight_descent.redraw_depth``: depths 4, 4 and 8 here): the kernel's ``DescendWeight``
+  (``weight_descent.redraw_depth``: depths 4, 8 and 8 here): the kernel's ``DescendWeight``
   redraws at the same node with the same word, with and without replacement, under a mask
   (its own tree, and the exact completion when few items are eligible)."""
   spec = fr.TableSpec(capacity, ITEM, sampler=fr.Prioritized(0.8))
@@ -228,3 +228,22 @@ def test_two_stage_prioritized_draws_are_bit_identical_in_large_tables(capacity)
                            replace=replace, where=where) for native in (True, False)]
     assert_bit_identical(outs[0][1], outs[1][1], f"sample {i}")
     assert_bit_identical(outs[0][0], outs[1][0], f"state after sample {i}")
+
+
+def test_draws_from_a_tiny_total_are_spread_and_identical():
+  """Weights near float32's smallest normals (priorities 3e-19 at exponent 2: 9e-38 each).
+  XLA rewrote ``(x * 2**-24) * total`` as ``x * (total * 2**-24)``, a subnormal flushed to
+  0 on XLA:CPU: every portable target was 0 and every draw slot 0, while the kernel drew
+  all four (found by a review). ``bits.uniform24`` scales by the exponent's bits."""
+  spec = fr.TableSpec(8, ITEM, sampler=fr.Prioritized(2.0))
+  prio = jnp.asarray([3e-19] * 4 + [0.0] * 4, jnp.float32)
+  slots = {}
+  for native in (True, False):
+    t = fr.make_table(spec, native=native)
+    st = jax.jit(t.insert)(t.init(), items_from_ids(np.arange(8)), priority=prio)
+    draw = jax.jit(jax.vmap(lambda k, t=t, st=st: t.sample(
+        st, k, batch_size=4, replace=True)[1].info.slot))
+    slots[native] = np.asarray(draw(jax.random.split(jax.random.PRNGKey(0), 200)))
+  np.testing.assert_array_equal(slots[True], slots[False])
+  counts = np.bincount(slots[False].ravel(), minlength=8)
+  assert np.all(counts[:4] > 120) and np.all(counts[4:] == 0), counts

@@ -96,11 +96,11 @@ class Weights:
     k = bits.below(hi, lo, jnp.maximum(tree[1], 1).astype(jnp.uint32)).astype(jnp.int32)
     return trees.descend_count(tree, k, free=False)
 
-  def draw_at(self, tree, u, fresh):
+  def draw_at(self, tree, u):
     """The slots at fractions ``u`` (float32[M] in [0, 1)) of the total weight (or of the
-    occupied slots), the prioritized descent redrawn from ``fresh`` (float32[M])."""
+    occupied slots): one-stage descents (a stratum's target picks the leaf itself)."""
     if self.prioritized:
-      return weight_descent.descend_weight(tree, u * tree[1], fresh)
+      return weight_descent.descend_weight(tree, u * tree[1], None)
     tot = tree[1]
     k = jnp.minimum((u * tot.astype(jnp.float32)).astype(jnp.int32), tot - 1)
     return trees.descend_count(tree, jnp.maximum(k, 0), free=False)
@@ -277,10 +277,10 @@ def ring_window(spec: TableSpec, state: TableState):
 def draw_stratified(spec, state, rng, batch_size):
   """One draw per equal-mass stratum of the weight tree, rows in random order."""
   w = Weights(spec, state)
-  k1, k2, k3 = jax.random.split(rng, 3)
+  k1, k2 = jax.random.split(rng)
   u = fixedpoint.divide(jnp.arange(batch_size) + jax.random.uniform(k1, (batch_size,)),
                         float(batch_size))  # the same bits on every backend
-  slots = w.draw_at(w.tree, jnp.minimum(u, 1.0 - 1e-7), jax.random.uniform(k3, (batch_size,)))
+  slots = w.draw_at(w.tree, jnp.minimum(u, 1.0 - 1e-7))
   # Rows in random order: a slot-sorted batch biases consumers that split it.
   slots = jax.random.permutation(k2, slots)
   # A drawn leaf has weight > 0 exactly when the total is > 0. (The root, a

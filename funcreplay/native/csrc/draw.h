@@ -33,11 +33,11 @@ inline float Select(uint32_t bit, float x) {
 }
 
 // weight_descent.redraw_depth: the depth at which a weight descent draws its target afresh,
-// 4 * (depth / 8) (0: none; weight_descent.REDRAW_ALIGN says why).
+// 4 * ((depth + 4) / 8), none below depth 8 (the module doc says why).
 inline int64_t RedrawDepth(int64_t p) {
   int64_t depth = 0;
   while ((int64_t{1} << (depth + 1)) <= p) ++depth;
-  return 4 * (depth / 8);
+  return depth < 8 ? 0 : 4 * ((depth + 4) / 8);
 }
 
 // weight_descent.descend_weight for n targets at once: level by level over all of
