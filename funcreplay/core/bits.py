@@ -121,15 +121,29 @@ _EXP24 = 24 << 23
 
 def uniform24(word):
   """float32 in [0, 1): the top 24 bits of a uint32 ``word`` times 2**-24 (exact; the
-  native kernels' ``Uniform24``).
+  native kernels' ``Uniform24``)."""
+  return (word >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
-  Scaled by the exponent's bits, not by a multiply: XLA rewrites ``(x * 2**-24) * total``
-  (a broadcast scalar total) as ``x * (total * 2**-24)``, and for a total below 2**-102
-  that scalar is subnormal, flushed to 0 on XLA:CPU: every target was 0, every draw the
-  first leaf (a Prioritized(2.0) table of priorities ~1e-19; found by a review)."""
+
+def uniform24_times(word, total, tiny: bool = True):
+  """``uniform24(word) * total`` with one rounding, for a scalar ``total`` (a draw's target).
+
+  XLA rewrites ``(x * 2**-24) * total`` (a broadcast scalar) as ``x * (total * 2**-24)``,
+  and for a total below 2**-102 that scalar is subnormal, flushed to 0 on XLA:CPU: every
+  target was 0, every draw the first leaf (a Prioritized(2.0) table of priorities ~1e-19;
+  found by a review). So ``uniform24`` is scaled by the exponent's bits here, which XLA
+  cannot rewrite. ``tiny=False`` (static): the caller's positive totals are never below
+  2**-102 (``indexes.tiny_weights``), the rewrite is exact, and the plain product costs
+  an H200 kernel less a prioritized step (two more integer operations split the random
+  words' fusion from their materialization). A product with a per-element factor (the
+  redraw's node sums) is not rewritten."""
+  if not tiny:
+    return uniform24(word) * total
   x = (word >> 8).astype(jnp.float32)  # exact: at most 24 bits
-  bits_ = lax.bitcast_convert_type(x, jnp.int32) - _EXP24
-  return jnp.where(x > 0, lax.bitcast_convert_type(bits_, jnp.float32), 0.0)
+  # x >= 1 keeps a positive (normal) exponent; x = 0 goes negative, clamped to +0.0.
+  u = lax.bitcast_convert_type(
+      jnp.maximum(lax.bitcast_convert_type(x, jnp.int32) - _EXP24, 0), jnp.float32)
+  return u * total
 
 
 def mulhi32(a, b):

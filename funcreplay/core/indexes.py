@@ -22,6 +22,14 @@ def sample_weight(spec: TableSpec, occupied, priority):
   return jnp.where(occupied, w, 0.0).astype(jnp.float32)
 
 
+def tiny_weights(spec: TableSpec) -> bool:
+  """Static: a positive total weight of ``spec``'s sampler may lie below 2**-102 (where
+  ``bits.uniform24_times`` needs its exact form). Not with an exponent <= 1: a positive
+  priority counts at least ``numerics.TINY`` (``powers``), so every positive weight is at
+  least ``TINY**alpha >= TINY`` = 1e-30."""
+  return not spec.prioritized or spec.sampler.priority_exponent > 1
+
+
 def _padded(x, p, fill):
   return jnp.concatenate([x, jnp.full((p - x.shape[0],), fill, x.dtype)])
 

@@ -22,8 +22,8 @@ the leaf.
 Invariants (both descents, and the native ``DescendWeight``, bit for bit):
 
 * Only ``u >= left``, ``u - left``, ``fresh * sum`` and the stored nodes: no float sum
-  whose order a compiler chooses (the callers' ``uniform24(hi) * total`` is one product:
-  ``bits.uniform24`` scales by the exponent's bits, which XLA cannot reassociate). A
+  whose order a compiler chooses (the callers' targets are one product,
+  ``bits.uniform24_times``, which XLA cannot reassociate). A
   zero-weight subtree is never entered, so while the total is positive no zero-weight
   leaf is drawn, and the node at the redraw has a positive sum.
 * O(log P) per target; one more multiply and one more random word than one stage.

@@ -120,16 +120,17 @@ def test_every_leaf_is_drawn_with_its_share_to_a_few_parts_in_100_000():
     assert rel.max() < 6e-5, rel.max()  # 3 grid steps of a 1/256 share: 4.5e-5
 
 
-def test_uniform24_is_exact_and_its_products_are_single_roundings():
-  """``uniform24(w) = (w >> 8) * 2**-24`` exactly, and ``uniform24(w) * total`` in a program
-  is the one rounding of that product even for a total below 2**-102 (where XLA's
-  reassociation to ``x * (total * 2**-24)`` flushed a subnormal to 0)."""
+def test_uniform24_is_exact_and_a_target_is_one_rounding():
+  """``uniform24(w) = (w >> 8) * 2**-24`` exactly, and a target ``uniform24_times(w, total)``
+  in a program is the one rounding of that product even for a total below 2**-102 (where
+  XLA's reassociation of ``(x * 2**-24) * total`` to ``x * (total * 2**-24)`` flushed a
+  subnormal to 0)."""
   from funcreplay.core import bits
   words = np.array([0, 255, 256, 257, 2**31, 2**32 - 1, 0x12345678, 0xFFFFFF00], np.uint32)
   want = (words >> 8).astype(np.float32) * np.float32(2.0**-24)
   np.testing.assert_array_equal(np.asarray(bits.uniform24(jnp.asarray(words))), want)
   for total in (np.float32(3.6e-37), np.float32(1e-31), np.float32(1.0), np.float32(3e38)):
-    got = jax.jit(lambda w, t: bits.uniform24(w) * t)(jnp.asarray(words), total)
+    got = jax.jit(bits.uniform24_times)(jnp.asarray(words), total)
     product = want * total
     # XLA:CPU flushes a subnormal result to 0 (a target below every normal weight: the
     # same leaf either way, as the kernel's unflushed one).

@@ -67,12 +67,12 @@ def first_occurrence(d):
   return first, jnp.zeros((m,), d.dtype).at[s_pos].set(s_d, unique_indices=True)
 
 
-def by_weight(tree, hi, lo):
+def by_weight(tree, hi, lo, tiny: bool = True):
   """``exact.successive``'s i.i.d. descents of the sum ``tree`` by the random words ``hi``,
   ``lo`` (uint32[M]): target ``uniform24(hi) * total`` (materialized, so that no backend
   fuses the product into the first subtraction), redrawn from ``uniform24(lo)``."""
   targets = lax.bitcast_convert_type(inplace.materialize(lax.bitcast_convert_type(
-      bits.uniform24(hi) * tree[1], jnp.int32)), jnp.float32)
+      bits.uniform24_times(hi, tree[1], tiny), jnp.int32)), jnp.float32)
   return weight_descent.descend_weight(tree, targets, bits.uniform24(lo))
 
 
@@ -92,7 +92,7 @@ class Weights:
     to weight (``exact.successive``'s descent: target ``uniform24(hi) * total``, redrawn
     from ``lo``), or uniformly over the occupied slots (the ``below(hi, lo, count)``-th)."""
     if self.prioritized:
-      return by_weight(tree, hi, lo)
+      return by_weight(tree, hi, lo, indexes.tiny_weights(self.spec))
     k = bits.below(hi, lo, jnp.maximum(tree[1], 1).astype(jnp.uint32)).astype(jnp.int32)
     return trees.descend_count(tree, k, free=False)
 

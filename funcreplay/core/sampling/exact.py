@@ -108,7 +108,7 @@ def first_b(d, b: int, n_max: int):
   return picked, jnp.minimum(rank[-1] + 1, b)
 
 
-def _complete_successive(tree, rng, picked, n, m: int):
+def _complete_successive(tree, rng, picked, n, m: int, tiny: bool):
   """Rows ``n..B-1`` of ``picked``: rounds on ``tree`` with the picked slots zeroed.
 
   Each round first zeroes the slots the previous one took (round 1: all of ``picked``), so
@@ -125,7 +125,8 @@ def _complete_successive(tree, rng, picked, n, m: int):
     t = trees.refresh_sum(t, jnp.maximum(pending, 0), jnp.zeros((b,), t.dtype), pending >= 0)
     alive = t[1] > 0
     hi, lo = stream_words(rng, m, j)
-    d = _descend_weight(t, bits.uniform24(hi) * t[1], bits.uniform24(lo), inplace.materialize)
+    d = _descend_weight(t, bits.uniform24_times(hi, t[1], tiny), bits.uniform24(lo),
+                        inplace.materialize)
     new, _ = first_b(d, b, p)  # this round's distinct slots, in draw order
     rank = jnp.arange(b, dtype=jnp.int32)
     take = (new >= 0) & (rank < b - n) & alive
@@ -156,8 +157,9 @@ def _descend_weight(tree, targets, fresh, materialize):
                                                            levels=ACCELERATOR_WEIGHT_LEVELS))
 
 
-def successive(tree, rng, b: int, replace: bool, n_max: int):
-  """Prioritized draw from the sum ``tree`` (module doc): int32[b] slots, -1 padded."""
+def successive(tree, rng, b: int, replace: bool, n_max: int, tiny: bool = True):
+  """Prioritized draw from the sum ``tree`` (module doc): int32[b] slots, -1 padded.
+  ``tiny`` (static): ``indexes.tiny_weights`` (``bits.uniform24_times``)."""
   m = b if replace else candidates_per_round(b)
   total = tree[1]
   hi, lo = bits.words(rng, m)
@@ -167,7 +169,8 @@ def successive(tree, rng, b: int, replace: bool, n_max: int):
   # With the redraw's uniforms, in one materialization (on a GPU one kernel: the random
   # words are computed once, not again in the step of the redraw).
   both = lax.bitcast_convert_type(inplace.materialize(lax.bitcast_convert_type(
-      jnp.concatenate([bits.uniform24(hi) * total, bits.uniform24(lo)]), jnp.int32)),
+      jnp.concatenate([bits.uniform24_times(hi, total, tiny), bits.uniform24(lo)]),
+      jnp.int32)),
       jnp.float32)
   targets, fresh = both[:m], both[m:]
   # Bit for bit weight_descent.descend_weight, 2 levels per step on CPU (faster in a scan).
@@ -180,7 +183,7 @@ def successive(tree, rng, b: int, replace: bool, n_max: int):
   def complete(p):
     # Named: the completion works on a copy of the tree (tests/core/test_inplace.py exempts it).
     with jax.named_scope("exact_completion"):
-      return _complete_successive(tree, rng, p, n, m)
+      return _complete_successive(tree, rng, p, n, m, tiny)
 
   return lax.cond(alive & (n < b), complete, lambda p: p, picked)
 

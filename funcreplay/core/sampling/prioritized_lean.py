@@ -63,7 +63,8 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   b = batch_size
   tree = state.weight_tree
   total = tree[1]
-  picked = exact.successive(tree, rng, b, replace, spec.tree_size)
+  picked = exact.successive(tree, rng, b, replace, spec.tree_size,
+                            indexes.tiny_weights(spec))
   valid = picked >= 0
   slot = jnp.maximum(picked, 0)
   # The stored weight (the leaf the draw saw): a native kernel reproduces a read, not

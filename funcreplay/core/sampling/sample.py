@@ -216,7 +216,8 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
         mask = inplace.materialize(eligible_all().astype(jnp.int32)) > 0
         draw_tree = exact.masked_tree(tree, mask)
         total = draw_tree[1]
-      picked = exact.successive(draw_tree, rng, b, replace, spec.tree_size)
+      picked = exact.successive(draw_tree, rng, b, replace, spec.tree_size,
+                                indexes.tiny_weights(spec))
       if replace:
         # Materialized: with replacement the descent's last level is not, and XLA re-fused
         # it, with its reads of the tree, into each consumer of the slots; the writes of
