@@ -148,7 +148,12 @@ def keyed_args(what: str, n: int, slots, keys, values=None, values_name: str = "
   ``keys`` a scalar or ``[S, K]``, ``values`` a scalar, ``[S]`` (one per shard, as
   ``insert``'s arguments) or ``[S, K]``. A flat or ``[S]`` keys array was split across
   the shards unchecked, and each shard compared all its rows with one key."""
-  s = jnp.asarray(slots)
+  host = rows.host_array(slots)
+  bad = numerics.beyond(host, np.int32) if host is not None else None
+  if bad:  # would wrap onto another slot (rows.keyed_args' check)
+    raise ValueError(f"{what}: slots must fit int32 (batch.info.slot), got values in "
+                     f"[{bad[0]}, {bad[1]}].")
+  s = jnp.asarray(host if host is not None else slots)
   if s.ndim != 2 or s.shape[0] != n:
     raise ValueError(f"{what}: slots must be [{n}, K] local slots per shard (e.g. "
                      f"batch.info.slot), got {list(s.shape)}.")

@@ -129,6 +129,35 @@ def test_keyed_calls_check_their_slots_keys_and_values():
   assert int(t.count(t.delete(state, [0, 1], keys.tolist()))) == 0
 
 
+def test_host_lists_and_wide_slots_are_checked_as_host_values():
+  """Lists were not host values: an int beyond int32 raised JAX's OverflowError naming
+  nothing, a priority beyond float32 became inf and was stored as 0. A slot of 2**32 + 1
+  (int64) wrapped onto slot 1 and deleted it. ``[]`` as keys was refused as floats.
+  (Found by a review.)"""
+  spec = fr.TableSpec(4, ITEM, sampler=fr.Prioritized(1.0), metadata=("task",))
+  t = fr.make_table(spec)
+  state = t.insert(t.init(), items_from_ids(np.arange(4)))
+  key1 = int(state.key[1])
+  for slots in (np.array([2**32 + 1], np.int64), [2**31]):
+    with pytest.raises(ValueError, match="delete: slots must fit int32"):
+      t.delete(state, slots, [key1])
+    with pytest.raises(ValueError, match="update_priorities: slots must fit int32"):
+      t.update_priorities(state, slots, [key1], 2.0)
+  with pytest.raises(ValueError, match="update_priorities: priorities must fit float32"):
+    t.update_priorities(state, [1], [key1], [1e39])
+  items = items_from_ids([5, 6])
+  with pytest.raises(ValueError, match="insert priority must fit float32"):
+    t.insert(state, items, priority=[1e39, 1.0])
+  with pytest.raises(ValueError, match="insert version must fit int32"):
+    t.insert(state, items, version=[1, 2**31])
+  with pytest.raises(ValueError, match=r"metadata\['task'\] must fit int32"):
+    t.insert(state, items, metadata={"task": [1, 2**31]})
+  assert int(t.count(t.delete(state, [], []))) == 4
+  # In-range lists are taken as they are.
+  up = t.update_priorities(state, [1, 2], [key1, int(state.key[2])], [2.0, 3.0])
+  np.testing.assert_array_equal(np.asarray(up.priority), [1.0, 2.0, 3.0, 1.0])
+
+
 def test_insert_refuses_numpy_items_of_a_wider_dtype():
   """A numpy float64 / int64 leaf for a 32-bit one is refused, as the host ``Table``
   refuses it: ``jnp.result_type`` read it as 32 bits without x64, and the rows storage

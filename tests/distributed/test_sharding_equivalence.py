@@ -124,6 +124,9 @@ def test_keyed_calls_check_their_arguments_per_shard(mesh):
     t.update_priorities(st, slots, keys, np.ones((N, 4), bool))
   with pytest.raises(TypeError, match="values must be integers"):
     t.set_metadata(st, slots, keys, "task", np.ones((N,), np.float32))
+  # A host slot beyond int32 would wrap onto another slot.
+  with pytest.raises(ValueError, match="delete: slots must fit int32"):
+    t.delete(st, np.full((N, 4), 2**32, np.int64), keys)
   # A host value beyond int32 (it would wrap): ours, not JAX's OverflowError.
   for big in (2**31, [2**31] * N, np.full((N, 4), -2**31 - 1, np.int64)):
     with pytest.raises(ValueError, match="set_metadata: values must fit int32"):

@@ -38,6 +38,23 @@ _KINDS = {"b": ("b", "bools"), "i": ("iu", "integers"), "u": ("iu", "integers"),
           "f": ("iuf", "real numbers")}
 
 
+def host_array(x):
+  """``x`` as a numpy array when it is a host value (Python scalars, numpy, lists or tuples
+  of them), else None (device or traced arrays, and lists holding tracers: JAX's own
+  conversion). Lists count as host values: through ``jnp.asarray`` an int beyond int32
+  raised JAX's ``OverflowError`` naming nothing, and a float beyond float32 became inf,
+  stored as a zero priority (found by a review)."""
+  if isinstance(x, (bool, int, float, np.ndarray, np.generic)):
+    return np.asarray(x)
+  if isinstance(x, (list, tuple)):
+    try:
+      a = np.asarray(x)
+    except Exception:  # noqa: BLE001 - tracers, ragged lists: left to jnp's checks
+      return None
+    return a if a.dtype != object else None
+  return None
+
+
 def rows(x, b, dtype, name):
   """``x`` (a scalar or ``[b]``) as ``dtype[b]``. Host values (Python or numpy) stay
   numpy: constants to XLA, which ``item_info.pack`` leaves out of the row when zero and
@@ -47,8 +64,13 @@ def rows(x, b, dtype, name):
   Refused, naming ``name``: another dtype kind than ``dtype`` takes (``_KINDS``: integers
   for integer rows, bools for a mask, real numbers for priorities), and host integers
   beyond an integer ``dtype``'s range (they would wrap)."""
-  host = isinstance(x, (bool, int, float, np.ndarray, np.generic))
-  given, target = (np.asarray(x) if host else jnp.asarray(x)), np.dtype(dtype)
+  given = host_array(x)
+  host = given is not None
+  if host:
+    x = given
+  else:
+    given = jnp.asarray(x)
+  target = np.dtype(dtype)
   kinds, names = _KINDS[target.kind]
   if given.dtype.kind not in kinds:
     raise TypeError(f"{name} must be {names}, got {given.dtype}.")
@@ -73,14 +95,14 @@ def fit_float(x, dtype, name):
   inf, which a priority row stores as 0: the most important item never drawn; found by
   a review); a traced wider float saturates at ``dtype``'s largest value instead."""
   fmax = np.finfo(dtype).max
-  if isinstance(x, (bool, int, float, np.ndarray, np.generic)):
-    a = np.asarray(x)
+  a = host_array(x)
+  if a is not None:
     if a.dtype.kind == "f" and a.dtype.itemsize > np.dtype(dtype).itemsize and a.size:
       big = np.isfinite(a) & (np.abs(a) > fmax)
       if big.any():
         raise ValueError(f"{name} must fit {np.dtype(dtype).name}: a finite value beyond its "
                          f"range would become inf, got {float(np.abs(a[big]).max()):.3g}.")
-    return x
+    return a
   t = jnp.asarray(x)
   if t.dtype.kind == "f" and t.dtype.itemsize > np.dtype(dtype).itemsize:
     return jnp.where(jnp.isfinite(t), jnp.clip(t, -fmax, fmax), t)
@@ -93,7 +115,18 @@ def keyed_args(what: str, slots, keys, values=None, values_name: str = "values",
   ``set_metadata``), checked when tracing: ``slots`` integers of one axis (a float slot
   would be truncated to another slot), ``keys`` integers and ``values`` (of a dtype kind in
   ``values_kinds``) a scalar or of the same ``[K]`` shape. Raises naming the argument."""
-  slots_in = jnp.asarray(slots)
+  # ``[]`` is float64 to numpy: no slot, key or value, nothing to refuse.
+  empty = lambda x, dtype: (np.zeros((0,), dtype)  # noqa: E731
+                            if isinstance(x, (list, tuple)) and not len(x) else x)
+  slots, keys = empty(slots, np.int32), empty(keys, np.uint32)
+  values = empty(values, np.int32 if values_kinds == "iu" else np.float32)
+  host = host_array(slots)
+  # A host slot beyond int32 would wrap onto another slot (2**32 + 1 onto slot 1).
+  bad = numerics.beyond(host, np.int32) if host is not None else None
+  if bad:
+    raise ValueError(f"{what}: slots must fit int32 (Sample.info.slot), got values in "
+                     f"[{bad[0]}, {bad[1]}].")
+  slots_in = jnp.asarray(host if host is not None else slots)
   if slots_in.dtype.kind not in "iu":
     raise TypeError(f"{what}: slots must be integers (Sample.info.slot), got "
                     f"{slots_in.dtype}.")
