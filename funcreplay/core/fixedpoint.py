@@ -37,7 +37,7 @@ def divide(num, den):
 
   Args:
     num: float32, ``>= 0`` (0 gives 0; a denormal counts as 0); ``+inf`` and NaN as IEEE.
-    den: float32, positive: a normal float (callers pass ``max(x, numerics.TINY)``) or
+    den: float32, positive: a normal float (callers pass ``max(x, numerics.MIN_TOTAL)``) or
       ``+inf`` (a weight total that overflowed); broadcastable against ``num``.
   Returns:
     float32: the IEEE quotient (``x / inf = 0``, ``inf / x = inf``, ``inf / inf`` NaN),

@@ -10,6 +10,13 @@ import numpy as np
 # float32 (smallest normal ~1.2e-38). The C++ kernels use the same 1e-30f.
 TINY = 1e-30
 
+# Floor of a total weight before a division, where the total may be 0 (the smallest normal
+# float32). Weights are normal or 0 (``powers``), so a positive total is at least this
+# and the floor changes nothing but 0. TINY did: at a Prioritized exponent above 1 totals
+# go below it (four priorities of 1e-16 at exponent 2: 4e-32), and each probability read
+# 0.01 for 0.25 (found by a review). The C++ kernels' kMinTotal.
+MIN_TOTAL = float(np.finfo(np.float32).tiny)
+
 
 def beyond(x, dtype):
   """``(lo, hi)`` of the host integers ``x`` (Python or numpy) when one of them lies

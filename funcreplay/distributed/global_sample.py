@@ -100,14 +100,19 @@ def sample_global(ctx, state: TableState, rng, *, batch_size: int, version=None,
 
     totals = lax.all_gather(total, axis)            # [S]
     if replace:
-      logits = jnp.where(totals > 0, jnp.log(jnp.maximum(totals, numerics.TINY)), -jnp.inf)
+      logits = jnp.where(totals > 0, jnp.log(jnp.maximum(totals, numerics.MIN_TOTAL)),
+                         -jnp.inf)
       choice = jax.random.categorical(k_shared, logits, shape=(batch_size,))
       quota = jnp.where(jnp.any(totals > 0), jnp.sum(choice == s, dtype=jnp.int32), 0)
       keep = valid & (jnp.arange(m) < quota)
     else:
       before = jnp.cumsum(w_item) - w_item
       remaining = jnp.maximum(total - before, w_item)  # float drift: never below w_k
-      gaps = jax.random.exponential(k_race, (m,)) / jnp.maximum(remaining, numerics.TINY)
+      # Rates relative to the largest shard's total (one scale for every shard: the race's
+      # order is the same): absolute totals below TINY all raced at TINY, alike.
+      scale = jnp.maximum(jnp.max(totals), numerics.MIN_TOTAL)
+      gaps = jax.random.exponential(k_race, (m,)) / jnp.maximum(remaining / scale,
+                                                                numerics.TINY)
       t = jnp.where(valid, jnp.cumsum(gaps), jnp.inf)
       # A shard that filled all M rows and has more eligible items may have had
       # earlier arrivals after t[M-1]: only times up to the smallest such cutoff are
@@ -121,7 +126,7 @@ def sample_global(ctx, state: TableState, rng, *, batch_size: int, version=None,
       keep = valid & (t <= limit)
 
     g_total = jnp.sum(totals)
-    prob = fixedpoint.divide(w_item, jnp.maximum(g_total, numerics.TINY))
+    prob = fixedpoint.divide(w_item, jnp.maximum(g_total, numerics.MIN_TOTAL))
     st = st.replace(**{("weight_tree" if spec.prioritized else "occ_tree"): tree})
     st, out = sampling.finish(
         lspec, st, jnp.where(keep, picked, -1), prob, lax.psum(n_elig, axis), ver, replace)

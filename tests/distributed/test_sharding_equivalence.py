@@ -144,3 +144,28 @@ def test_keyed_calls_check_their_arguments_per_shard(mesh):
   assert count_of(t, t.delete(st, slots, [[3_000_000_000] * 4] * N)) == N * 4
   # Keys are numbered per shard: key 0 is slot 0's on every shard.
   assert count_of(t, t.delete(st, slots, int(keys[0, 0]))) == N * 4 - N
+
+
+@pytest.mark.parametrize("replace", [True, False])
+def test_global_sample_weighs_shards_by_totals_below_tiny(mesh, replace):
+  """Priorities of 1e-16 and 3e-16 at exponent 2: shard totals of 4e-32 and 3.6e-31, below
+  numerics.TINY. Every shard raced (and was chosen) as if its total were TINY: shard 0
+  drew about 1 / N of the items instead of 9 / (9 + N - 1), and the probabilities were
+  floored too (found by a review)."""
+  spec = fr.TableSpec(4 * N, ITEM, sampler=fr.Prioritized(2.0))
+  t = frs.make_sharded_table(spec, mesh)
+  prio = np.full((N, 4), 1e-16, np.float32)
+  prio[0] = 3e-16
+  st = jax.jit(t.insert)(jax.jit(t.init)(), tagged_items(N, 4, 0), priority=prio)
+  draw = jax.jit(lambda k: t.sample_global(st, k, batch_size=1, replace=replace)[1])
+  from_0, draws = 0, 300
+  for seed in range(draws):
+    b = draw(jax.random.PRNGKey(seed))
+    valid = np.asarray(b.valid)
+    assert valid.sum() == 1
+    from_0 += int(valid[0].any())
+    shard = int(np.argmax(valid.any(axis=1)))
+    want = (9.0 if shard == 0 else 1.0) / (4 * (9 + N - 1))
+    np.testing.assert_allclose(np.asarray(b.info.probability)[valid], want, rtol=1e-5)
+  p0 = 9 / (9 + N - 1)  # 0.75 for N = 4
+  assert abs(from_0 / draws - p0) < 4 * np.sqrt(p0 * (1 - p0) / draws), from_0 / draws

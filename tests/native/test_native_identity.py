@@ -247,3 +247,18 @@ def test_draws_from_a_tiny_total_are_spread_and_identical():
   np.testing.assert_array_equal(slots[True], slots[False])
   counts = np.bincount(slots[False].ravel(), minlength=8)
   assert np.all(counts[:4] > 120) and np.all(counts[4:] == 0), counts
+
+
+def test_probabilities_of_a_total_below_tiny_are_exact():
+  """Four priorities of 1e-16 at exponent 2: a total of 4e-32, below numerics.TINY, which
+  floored it: each probability read 0.01 for 0.25 (found by a review). Now the floor is
+  the smallest normal float, which no positive total is below; both executors."""
+  spec = fr.TableSpec(8, ITEM, sampler=fr.Prioritized(2.0))
+  for native in (True, False):
+    t = fr.make_table(spec, native=native)
+    st = t.insert(t.init(), items_from_ids(np.arange(4)),
+                  priority=jnp.full((4,), 1e-16, jnp.float32))
+    for replace in (True, False):
+      _, b = t.sample(st, jax.random.PRNGKey(0), batch_size=3, replace=replace)
+      np.testing.assert_allclose(np.asarray(b.info.probability), 0.25, rtol=1e-6,
+                                 err_msg=f"{native=} {replace=}")

@@ -76,7 +76,7 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   # does not wait for (a learner's loss, not the next update_priorities) then made XLA
   # copy the 2 MB tree twice a step in a scan (B <= 32; finding 14).
   prob = lax.bitcast_convert_type(inplace.materialize(lax.bitcast_convert_type(
-      fixedpoint.divide(w_item, jnp.maximum(total, numerics.TINY)), jnp.int32)), jnp.float32)
+      fixedpoint.divide(w_item, jnp.maximum(total, numerics.MIN_TOTAL)), jnp.int32)), jnp.float32)
   # Eligible = occupied with a positive weight (zero-weight items are never drawn).
   # occ_tree's root (size) and node 0 (the zero-weight count) are read once (on CPU:
   # inplace.once_on_cpu) so the flag below orders them before a later update_priorities'

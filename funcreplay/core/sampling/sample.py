@@ -235,7 +235,7 @@ def _sample_portable(spec, state, rng, b, ver, where, replace, *, stratified, ma
       num_eligible = jnp.sum(mask, dtype=jnp.int32) if masked else size0 - zero0
       # Correctly rounded from integers (fixedpoint.divide): XLA:GPU's float division is
       # not; the kernels' DivideExact (csrc/fixedpoint.h) gives the same bits.
-      prob = fixedpoint.divide(w_item, jnp.maximum(total, numerics.TINY))
+      prob = fixedpoint.divide(w_item, jnp.maximum(total, numerics.MIN_TOTAL))
     else:
       num_eligible = ops.count(spec, state, where, ver, size=size0)
       prob = jnp.broadcast_to(

@@ -64,5 +64,5 @@ def draw(spec: TrajectorySpec, state: TrajectoryState, rng, b: int, replace: boo
   picked = jnp.where(picked >= 0, jnp.minimum(picked, spec.num_windows - 1), -1)
   valid = picked >= 0
   w = jnp.maximum(picked, 0)
-  prob = fixedpoint.divide(trees.leaf_values(tree, w), jnp.maximum(total, numerics.TINY))
+  prob = fixedpoint.divide(trees.leaf_values(tree, w), jnp.maximum(total, numerics.MIN_TOTAL))
   return w, valid, state.positive, prob

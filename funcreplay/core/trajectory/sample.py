@@ -141,7 +141,7 @@ def _prioritized(spec, state, rng, b, replace, ok):
     pad = b - k
     slot = jnp.concatenate([top, jnp.zeros((pad,), jnp.int32)])
     valid = jnp.concatenate([jnp.isfinite(vals), jnp.zeros((pad,), bool)])
-  prob = fixedpoint.divide(w[slot], jnp.maximum(total, numerics.TINY))
+  prob = fixedpoint.divide(w[slot], jnp.maximum(total, numerics.MIN_TOTAL))
   return slot, valid, n, prob
 
 

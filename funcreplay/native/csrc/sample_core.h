@@ -24,8 +24,8 @@
 
 namespace funcreplay {
 
-// numerics.TINY: the floor of a total weight in a probability.
-constexpr float kTiny = 1e-30f;
+// numerics.MIN_TOTAL: the floor of a total before a division (the smallest normal float).
+constexpr float kMinTotal = std::numeric_limits<float>::min();
 
 // Items with version >= thr: staleness.count_fresh, the O(1) / O(V) answers
 // from the version index, else the O(C) pass it falls back to.
@@ -224,7 +224,7 @@ inline int64_t RunSample(SampleJob& job) {
   const float uniform_prob =
       DivideExact(1.0f, static_cast<float>(std::max<int32_t>(job.num_eligible, 1)));
   // w / total as fixedpoint.divide computes it (fixedpoint.h).
-  const float safe_total = std::max(total, kTiny);
+  const float safe_total = std::max(total, kMinTotal);
   uint64_t stale_sum = 0;
   auto prefetch_row = [&](int64_t i) {
     if (i >= n) return;
