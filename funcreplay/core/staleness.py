@@ -69,11 +69,17 @@ def empty(spec: TableSpec):
   return jnp.zeros((v,), jnp.int32), jnp.asarray([0, 0, _NONE], jnp.int32)
 
 
-def as_version(version, what: str = "version") -> jnp.ndarray:
+def as_version(version, what: str = "version", scalar: bool = False) -> jnp.ndarray:
   """int32 array of a policy version (a scalar, or ``[B]`` for an insert): integers only.
   A float would be truncated to another version and a host integer beyond int32 wrapped
-  (refused, naming ``what``); a traced one is checked by its dtype."""
+  (refused, naming ``what``); a traced one is checked by its dtype. ``scalar``: any other
+  shape is refused (a sample's version: ``[1]`` failed later, in a stack)."""
+  if version is None:
+    raise TypeError(f"{what} must be an integer (a policy version), got None.")
   x = version if hasattr(version, "dtype") else np.asarray(version)
+  if scalar and x.ndim:
+    raise ValueError(f"{what} must be a scalar (the sampler's policy version), got shape "
+                     f"{list(x.shape)}.")
   if x.dtype.kind not in "iu":
     raise TypeError(f"{what} must be an integer (a policy version), got {x.dtype}.")
   bad = numerics.beyond(version, np.int32)

@@ -139,8 +139,8 @@ def uses_priority(spec: TableSpec) -> bool:
   return spec.prioritized or isinstance(spec.sampler, heap) or isinstance(spec.remover, heap)
 
 
-def keyed_args(what: str, n: int, slots, keys, values=None, values_name: str = "values",
-               values_kinds: str = "iuf"):
+def keyed_args(what: str, n: int, slots, keys, values=rows.NO_VALUES,
+               values_name: str = "values", values_kinds: str = "iuf"):
   """``(slots int32[S, K], keys uint32[S, K], values [S, K] or None)`` of a sharded keyed
   call (``delete``, ``update_priorities``, ``set_metadata``), checked when tracing as the
   core checks one table's (``ops.rows.keyed_args``: integer slots and keys, keys in
@@ -148,6 +148,10 @@ def keyed_args(what: str, n: int, slots, keys, values=None, values_name: str = "
   ``keys`` a scalar or ``[S, K]``, ``values`` a scalar, ``[S]`` (one per shard, as
   ``insert``'s arguments) or ``[S, K]``. A flat or ``[S]`` keys array was split across
   the shards unchecked, and each shard compared all its rows with one key."""
+  for name, x in (("slots", slots), ("keys", keys), (values_name, values)):
+    if x is None:
+      raise TypeError(f"{what}: {name} must be given, got None.")
+  values = None if values is rows.NO_VALUES else values
   host = rows.host_array(slots)
   bad = numerics.beyond(host, np.int32) if host is not None else None
   if bad:  # would wrap onto another slot (rows.keyed_args' check)

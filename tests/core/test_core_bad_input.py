@@ -153,6 +153,17 @@ def test_host_lists_and_wide_slots_are_checked_as_host_values():
   with pytest.raises(ValueError, match=r"metadata\['task'\] must fit int32"):
     t.insert(state, items, metadata={"task": [1, 2**31]})
   assert int(t.count(t.delete(state, [], []))) == 4
+  # None where a value is needed: ours, naming it (JAX's named nothing).
+  with pytest.raises(TypeError, match="delete: keys must be given"):
+    t.delete(state, [0], None)
+  with pytest.raises(TypeError, match="update_priorities: priorities must be given"):
+    t.update_priorities(state, [0], [key1], None)
+  with pytest.raises(TypeError, match="insert version must be given"):
+    t.insert(state, items, version=None)
+  with pytest.raises(TypeError, match=r"metadata\['task'\] must be given"):
+    t.insert(state, items, metadata={"task": None})
+  with pytest.raises(ValueError, match=r"sample: version must be a scalar.*\[1\]"):
+    t.sample(state, jax.random.PRNGKey(0), batch_size=1, version=[5])
   # In-range lists are taken as they are.
   up = t.update_priorities(state, [1, 2], [key1, int(state.key[2])], [2.0, 3.0])
   np.testing.assert_array_equal(np.asarray(up.priority), [1.0, 2.0, 3.0, 1.0])

@@ -64,6 +64,8 @@ def rows(x, b, dtype, name):
   Refused, naming ``name``: another dtype kind than ``dtype`` takes (``_KINDS``: integers
   for integer rows, bools for a mask, real numbers for priorities), and host integers
   beyond an integer ``dtype``'s range (they would wrap)."""
+  if x is None:
+    raise TypeError(f"{name} must be given (a scalar or [{b}]), got None.")
   given = host_array(x)
   host = given is not None
   if host:
@@ -109,12 +111,20 @@ def fit_float(x, dtype, name):
   return x
 
 
-def keyed_args(what: str, slots, keys, values=None, values_name: str = "values",
+# ``keyed_args``' default: a call without values (``delete``); None is a missing value.
+NO_VALUES = object()
+
+
+def keyed_args(what: str, slots, keys, values=NO_VALUES, values_name: str = "values",
                values_kinds: str = "iuf"):
   """``(slots int32[K], keys, values)`` of a keyed call (``delete``, ``update_priorities``,
   ``set_metadata``), checked when tracing: ``slots`` integers of one axis (a float slot
   would be truncated to another slot), ``keys`` integers and ``values`` (of a dtype kind in
   ``values_kinds``) a scalar or of the same ``[K]`` shape. Raises naming the argument."""
+  for name, x in (("slots", slots), ("keys", keys), (values_name, values)):
+    if x is None:
+      raise TypeError(f"{what}: {name} must be given, got None.")
+  values = None if values is NO_VALUES else values
   # ``[]`` is float64 to numpy: no slot, key or value, nothing to refuse.
   empty = lambda x, dtype: (np.zeros((0,), dtype)  # noqa: E731
                             if isinstance(x, (list, tuple)) and not len(x) else x)

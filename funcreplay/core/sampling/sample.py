@@ -116,7 +116,8 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   if stratified and (not replace or masked or sel.is_ordered(spec.sampler)):
     raise ValueError("sample: stratified=True needs replace=True, a Uniform or Prioritized "
                      "sampler, and no where/staleness mask (strata are over the whole table).")
-  ver = None if version is None else staleness.as_version(version, "sample: version")
+  ver = None if version is None else staleness.as_version(version, "sample: version",
+                                                           scalar=True)
   enabled = None if enabled is None else jnp.asarray(enabled, bool)
   layout = packing.layout(spec.signature, b) if packed else None  # raises if unpackable
 
