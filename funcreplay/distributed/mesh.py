@@ -152,12 +152,10 @@ def keyed_args(what: str, n: int, slots, keys, values=rows.NO_VALUES,
     if x is None:
       raise TypeError(f"{what}: {name} must be given, got None.")
   values = None if values is rows.NO_VALUES else values
+  # Host slots stay numpy: rows.keyed_args below refuses one beyond int32 (it would wrap
+  # onto another slot in a conversion here).
   host = rows.host_array(slots)
-  bad = numerics.beyond(host, np.int32) if host is not None else None
-  if bad:  # would wrap onto another slot (rows.keyed_args' check)
-    raise ValueError(f"{what}: slots must fit int32 (batch.info.slot), got values in "
-                     f"[{bad[0]}, {bad[1]}].")
-  s = jnp.asarray(host if host is not None else slots)
+  s = host if host is not None else jnp.asarray(slots)
   if s.ndim != 2 or s.shape[0] != n:
     raise ValueError(f"{what}: slots must be [{n}, K] local slots per shard (e.g. "
                      f"batch.info.slot), got {list(s.shape)}.")
@@ -165,7 +163,8 @@ def keyed_args(what: str, n: int, slots, keys, values=rows.NO_VALUES,
   if k.ndim and k.shape != s.shape:
     raise ValueError(f"{what}: keys must be a scalar or of the slots' shape {list(s.shape)} "
                      f"(e.g. batch.info.key), got {list(k.shape)}.")
-  _, flat, _ = rows.keyed_args(what, s.reshape(-1), k.reshape(-1) if k.ndim else k)
+  flat_slots, flat, _ = rows.keyed_args(what, s.reshape(-1), k.reshape(-1) if k.ndim else k)
+  s = flat_slots.reshape(s.shape)
   keys = jnp.broadcast_to(jnp.asarray(flat, jnp.uint32).reshape(k.shape), s.shape)
   if values is not None:
     v = values if hasattr(values, "dtype") else np.asarray(values)  # host ints: numpy

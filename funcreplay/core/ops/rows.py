@@ -111,6 +111,12 @@ def fit_float(x, dtype, name):
   return x
 
 
+def _typed_if_empty(x, dtype):
+  """An empty host list as an empty ``dtype`` array (numpy reads ``[]`` as float64: a call
+  on no slots, keys or values was refused as floats); anything else as it is."""
+  return np.zeros((0,), dtype) if isinstance(x, (list, tuple)) and not len(x) else x
+
+
 # ``keyed_args``' default: a call without values (``delete``); None is a missing value.
 NO_VALUES = object()
 
@@ -125,11 +131,8 @@ def keyed_args(what: str, slots, keys, values=NO_VALUES, values_name: str = "val
     if x is None:
       raise TypeError(f"{what}: {name} must be given, got None.")
   values = None if values is NO_VALUES else values
-  # ``[]`` is float64 to numpy: no slot, key or value, nothing to refuse.
-  empty = lambda x, dtype: (np.zeros((0,), dtype)  # noqa: E731
-                            if isinstance(x, (list, tuple)) and not len(x) else x)
-  slots, keys = empty(slots, np.int32), empty(keys, np.uint32)
-  values = empty(values, np.int32 if values_kinds == "iu" else np.float32)
+  slots, keys = _typed_if_empty(slots, np.int32), _typed_if_empty(keys, np.uint32)
+  values = _typed_if_empty(values, np.int32 if values_kinds == "iu" else np.float32)
   host = host_array(slots)
   # A host slot beyond int32 would wrap onto another slot (2**32 + 1 onto slot 1).
   bad = numerics.beyond(host, np.int32) if host is not None else None

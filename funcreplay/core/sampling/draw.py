@@ -251,7 +251,7 @@ def _complete(spec, key, n, replace, weights_fn, picked):
     tree = trees.build_sum(jnp.zeros((p,), jnp.float32).at[:spec.capacity].set(
         jnp.where(ok, weights, 0.0)))
     hi, lo = bits.words(key, b)
-    draws = jnp.where(tree[1] > 0, by_weight(tree, hi, lo), -1)
+    draws = jnp.where(tree[1] > 0, by_weight(tree, hi, lo, indexes.tiny_weights(spec)), -1)
     extra = draws[jnp.clip(pos, 0, b - 1)]
   else:  # exponential races, the k smallest: the same keys on every backend (powers)
     k = min(b, spec.capacity)
