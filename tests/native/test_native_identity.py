@@ -262,3 +262,34 @@ def test_probabilities_of_a_total_below_tiny_are_exact():
       _, b = t.sample(st, jax.random.PRNGKey(0), batch_size=3, replace=replace)
       np.testing.assert_allclose(np.asarray(b.info.probability), 0.25, rtol=1e-6,
                                  err_msg=f"{native=} {replace=}")
+
+
+@pytest.mark.parametrize("sampler", [fr.Uniform(), fr.Prioritized(0.7)])
+def test_rows_copied_in_chunks_are_bit_identical(sampler):
+  """The kernel copies a batch's rows in chunks of ~16 KB, on XLA's thread pool as well
+  as the calling thread (csrc/parallel.h); without replacement each row increments its
+  own slot's times sampled there. Items of 4 KB and batches of 64: 16 chunks, with and
+  without replacement, a reuse limit freeing used-up items, the staleness sum of a
+  version, and holes (deleted slots: the descent, not the prefix shortcut)."""
+  big = {"x": jax.ShapeDtypeStruct((), jnp.int32), "y": jax.ShapeDtypeStruct((1024,), jnp.float32)}
+  spec = fr.TableSpec(500, big, sampler=sampler, max_times_sampled=3)
+  ids = np.arange(400, dtype=np.int32)
+  items = {"x": jnp.asarray(ids), "y": jnp.asarray(ids[:, None] + np.zeros((1, 1024), np.float32))}
+  prio = jnp.asarray(np.random.default_rng(1).random(400) + 0.1, jnp.float32)
+  results = {}
+  for native in (True, False):
+    t = fr.make_table(spec, native=native)
+    s = jax.jit(t.insert)(t.init(), items, priority=prio, version=jnp.asarray(ids % 7))
+    gone = jnp.arange(0, 400, 9, dtype=jnp.int32)
+    s = jax.jit(t.delete)(s, gone, s.key[gone])
+    sample = jax.jit(t.sample, static_argnames=("batch_size", "replace"))
+    outs = []
+    for i, replace in enumerate([False, True, False, True, False]):
+      s, b = sample(s, jax.random.PRNGKey(i), batch_size=64, replace=replace, version=9)
+      outs.append(b)
+    results[native] = (s, outs)
+  assert_bit_identical(results[True], results[False], "chunked rows")
+  # the batches are real: 64 valid rows each, whose items carry their slot's id
+  for b in results[True][1]:
+    assert int(np.sum(b.valid)) == 64
+    np.testing.assert_array_equal(np.asarray(b.data["y"])[:, 5], np.asarray(b.data["x"]))

@@ -42,7 +42,8 @@ def _state_columns(state):
 
 
 def test_sample_kernel_refuses_a_reordered_operand():
-  """The key and the params swapped, and the state's first two columns swapped."""
+  """The key and the params swapped, and the state's first two columns swapped (XLA counts
+  the thread-pool context as position 0)."""
   spec = fr.TableSpec(16, {"x": np.zeros(2, np.float32)})
   t = fr.make_table(spec)
   state = t.insert(t.init(), {"x": jnp.ones((4, 2))}, version=0)
@@ -63,10 +64,10 @@ def test_sample_kernel_refuses_a_reordered_operand():
 
   where = jnp.zeros((0,), bool)
   call([key, params, where], state_ops)  # the real layout runs
-  with pytest.raises(Exception, match=r"bad operands at: 0, 1\)[\s\S]*Wrong buffer dtype"):
+  with pytest.raises(Exception, match=r"bad operands at: 1, 2\)[\s\S]*Wrong buffer dtype"):
     call([params, key, where], state_ops)
   swapped = [state_ops[1], state_ops[0], *state_ops[2:]]
-  with pytest.raises(Exception, match=r"bad operands at: 4, 5\)[\s\S]*Wrong buffer"):
+  with pytest.raises(Exception, match=r"bad operands at: 5, 6\)[\s\S]*Wrong buffer"):
     call([key, params, where], swapped)
 
 

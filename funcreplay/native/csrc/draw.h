@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common.h"
+#include "parallel.h"
 #include "random.h"
 
 namespace funcreplay {
@@ -69,6 +70,19 @@ inline void DescendWeight(const float* tree, int64_t p, float* target, const flo
     }
   }
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(node[i] - p);
+}
+
+// Descents a chunk of DescendWeights holds at least: each chunk descends level by level
+// over its own targets, so a chunk of 64 keeps 64 cache misses in flight a level.
+constexpr int64_t kDescentsPerChunk = 64;
+
+// DescendWeight in chunks on ``pool`` (parallel.h): each target's descent is its own, so
+// the chunks give the same slots as one call.
+inline void DescendWeights(const RowPool& pool, const float* tree, int64_t p, float* target,
+                           const float* fresh, int64_t n, int32_t* out) {
+  pool.For(n, kDescentsPerChunk, [&](int64_t lo, int64_t hi) {
+    DescendWeight(tree, p, target + lo, fresh + lo, hi - lo, out + lo);
+  });
 }
 
 // uniform_lean.kth_occupied (= trees.descend_count(free=False)) for n ranks k < tree[1].
@@ -142,7 +156,7 @@ inline int64_t DrawUniformLean(const int32_t* tree, int64_t p, int64_t c, int32_
 // with every slot picked so far zeroed, M descents on stream j each, keeping
 // first occurrences, until B or no weight is left. Returns the valid rows.
 inline int64_t Successive(const float* tree, int64_t p, uint32_t k0, uint32_t k1, int64_t b,
-                          bool replace, int32_t* picked) {
+                          bool replace, int32_t* picked, const RowPool& pool = kSerialRows) {
   const float total = tree[1];
   if (!(total > 0.0f)) return 0;
   const int64_t m = replace ? b : CandidatesPerRound(b);
@@ -154,7 +168,7 @@ inline int64_t Successive(const float* tree, int64_t p, uint32_t k0, uint32_t k1
     target[i] = Uniform24(hi[i]) * total;
     fresh[i] = Uniform24(lo[i]);
   }
-  DescendWeight(tree, p, target.data(), fresh.data(), m, d.data());
+  DescendWeights(pool, tree, p, target.data(), fresh.data(), m, d.data());
   if (replace) {
     std::copy(d.begin(), d.begin() + b, picked);
     return b;
@@ -180,7 +194,7 @@ inline int64_t Successive(const float* tree, int64_t p, uint32_t k0, uint32_t k1
       target[i] = Uniform24(hi[i]) * tot;
       fresh[i] = Uniform24(lo[i]);
     }
-    DescendWeight(t.data(), p, target.data(), fresh.data(), m, d.data());
+    DescendWeights(pool, t.data(), p, target.data(), fresh.data(), m, d.data());
     nodes.clear();
     for (int64_t i = 0; i < m && n < b; ++i) {
       if (!seen.Insert(d[i])) continue;

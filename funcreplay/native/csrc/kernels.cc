@@ -47,13 +47,14 @@ namespace {
 // Results: the state (StateRets, then the data leaves), then the batch: the
 // data rows and kInfoColumns info columns, or one packed uint8 buffer; then
 // kTailResults scalars: the valid rows int32[], num_eligible int32[] and the
-// next key uint32[2]. XLA's "bad operands at" positions: 0 key, 1 params,
-// 2 where, 3 the state operands, 4-10 the state results, 11 the rest.
+// next key uint32[2]. XLA's "bad operands at" positions: 0 the thread pool
+// (a context, parallel.h), 1 key, 2 params, 3 where, 4 the state operands,
+// 5-11 the state results, 12 the rest.
 constexpr size_t kInfoColumns = 7;  // valid, slot, key, probability, priority, times, version
 constexpr size_t kTailResults = 3;
 constexpr const char* kSample = "funcreplay_sample";
 
-ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs state_args,
+ffi::Error SampleImpl(ffi::ThreadPool pool, U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs state_args,
                       Out1<ffi::PRED> occupied, OutInfo item_info, Out1<ffi::S32> occ_tree,
                       Out1<ffi::F32> weight_tree, Out1<ffi::U32> ledger, Out1<ffi::S32> hist,
                       Out1<ffi::S32> bounds, ffi::RemainingRets rets, int64_t batch_size,
@@ -87,6 +88,8 @@ ffi::Error SampleImpl(U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs s
   if (!bad.empty()) return BadOperand(kSample, bad);
 
   SampleJob job;
+  const XlaRowPool rows_pool(pool);
+  job.pool = &rows_pool;
   job.batch = b;
   job.capacity = c;
   job.replace = replace;
@@ -316,6 +319,7 @@ ffi::Error UpdatePrioritiesImpl(S32_1 slots, U32_1 keys, F32_1 priorities, F32_1
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplaySample, SampleImpl,
                               StateRets(ffi::Ffi::Bind()
+                                            .Ctx<ffi::ThreadPool>()  // the row copies
                                             .Arg<U32_1>()     // key
                                             .Arg<S32_1>()     // params
                                             .Arg<Bool1>()     // where

@@ -19,6 +19,7 @@
 #include "draw.h"
 #include "fixedpoint.h"
 #include "item_info.h"
+#include "parallel.h"
 #include "random.h"
 #include "rows.h"
 
@@ -55,6 +56,11 @@ inline int32_t StalenessThreshold(int32_t version, int64_t max_staleness) {
   return std::max(version, std::numeric_limits<int32_t>::min() + ms) - ms;
 }
 
+// The rows a chunk of the row copies holds at least: ~16 KB (32 rows of the
+// benchmarks' 524-byte item), so that a chunk's copies outweigh handing it to
+// another thread (a task's start: ~1-5 us), and a batch of 8 stays on one thread.
+constexpr int64_t kMinChunkBytes = 16 << 10;
+
 // One sample call: everything but the buffers' origin.
 struct SampleJob {
   // Static configuration.
@@ -81,6 +87,8 @@ struct SampleJob {
   float* wtree = nullptr;     // float32[2P] weight tree, or null (uniform)
   Ledger ledger;
   VersionIndex index;
+  // Where the rows are copied (parallel.h); the calling thread alone by default.
+  const RowPool* pool = &kSerialRows;
   // The item fields (signature leaves): each at ``src[d] + slot * src_stride[d]``,
   // ``row_bytes[d]`` bytes. One array per leaf: stride == row_bytes; packed rows
   // (funcreplay/core/storage.py): every field inside the one [C, R] words array.
@@ -179,11 +187,11 @@ inline int64_t SampleDraw(SampleJob& job, uint32_t k0, uint32_t k1, int32_t* pic
   if (job.wtree != nullptr) {  // prioritized_lean / draw.draw_prioritized
     if (!job.masked) {
       *total = job.wtree[1];
-      return Successive(job.wtree, p, k0, k1, b, job.replace, picked);
+      return Successive(job.wtree, p, k0, k1, b, job.replace, picked, *job.pool);
     }
     std::vector<float> t = MaskedTree(job.wtree, p, c, [&](int32_t s) { return job.Eligible(s); });
     *total = t[1];
-    return Successive(t.data(), p, k0, k1, b, job.replace, picked);
+    return Successive(t.data(), p, k0, k1, b, job.replace, picked, *job.pool);
   }
   *total = 0.0f;
   // uniform_lean, with or without a reuse limit (used-up items are freed below, so
@@ -216,18 +224,25 @@ inline int64_t RunSample(SampleJob& job) {
 
   ItemInfo& info = job.info;
   const size_t n_data = job.src.size();
-  // int32 with wrap-around, as the portable add.
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t s = picked[i];
-    info.set_times_sampled(s, Wrap(static_cast<uint32_t>(info.times_sampled(s)) + 1u));
+  // times_sampled + 1 (int32 with wrap-around, as the portable add), read back after the
+  // increment. Without replacement the slots are distinct: each row increments its own
+  // slot where it reads its info (below, in its chunk). With replacement a slot may
+  // repeat, and every row reads the count after all the batch's increments: first.
+  const bool distinct = !job.replace;
+  if (!distinct) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t s = picked[i];
+      info.set_times_sampled(s, Wrap(static_cast<uint32_t>(info.times_sampled(s)) + 1u));
+    }
   }
   const float uniform_prob =
       DivideExact(1.0f, static_cast<float>(std::max<int32_t>(job.num_eligible, 1)));
   // w / total as fixedpoint.divide computes it (fixedpoint.h).
   const float safe_total = std::max(total, kMinTotal);
-  uint64_t stale_sum = 0;
+  // The rows and their info: chunks of rows, each with its own prefetch window, on the
+  // calling thread and (the jitted path) XLA's pool (parallel.h). Every chunk writes
+  // its own rows only.
   auto prefetch_row = [&](int64_t i) {
-    if (i >= n) return;
     const int32_t s = picked[i];
     __builtin_prefetch(info.row(s));  // key, version, times sampled and priority
     for (size_t d = 0; d < n_data; ++d) {
@@ -240,38 +255,47 @@ inline int64_t RunSample(SampleJob& job) {
   for (size_t d = 0; d < n_data; ++d) item_bytes += job.row_bytes[d];
   const int64_t ahead = std::clamp<int64_t>(
       static_cast<int64_t>((256 << 10) / std::max<size_t>(item_bytes, 1)), 1, kRowsAhead);
-  for (int64_t i = 0; i < ahead; ++i) prefetch_row(i);
-  for (int64_t i = 0; i < b; ++i) {
-    if (i < n) {
-      prefetch_row(i + ahead);
-      const int32_t s = picked[i];
-      job.out_valid[i] = true;
-      job.out_slot[i] = s;
-      job.out_key[i] = info.key(s);
-      job.out_prob[i] = job.wtree != nullptr ? DivideExact(job.wtree[p + s], safe_total)
-                                             : uniform_prob;
-      job.out_prio[i] = info.priority(s);
-      job.out_times[i] = info.times_sampled(s);
-      job.out_version[i] = info.version(s);
-      for (size_t d = 0; d < n_data; ++d) {
-        CopyRow(job.rows[d] + i * job.row_bytes[d], job.src[d] + s * job.src_stride[d],
-                job.row_bytes[d]);
-      }
-      if (job.has_version) {
-        stale_sum += Behind(job.version, info.version(s));
-      }
-    } else {
-      job.out_valid[i] = false;
-      job.out_slot[i] = -1;
-      job.out_key[i] = 0;
-      job.out_prob[i] = 0.0f;
-      job.out_prio[i] = 0.0f;
-      job.out_times[i] = 0;
-      job.out_version[i] = 0;
-      for (size_t d = 0; d < n_data; ++d) {
-        std::memset(job.rows[d] + i * job.row_bytes[d], 0, job.row_bytes[d]);
+  auto copy_rows = [&](int64_t lo, int64_t hi) {
+    const int64_t valid_end = std::min(hi, n);
+    for (int64_t i = lo; i < std::min(lo + ahead, valid_end); ++i) prefetch_row(i);
+    for (int64_t i = lo; i < hi; ++i) {
+      if (i < n) {
+        if (i + ahead < valid_end) prefetch_row(i + ahead);
+        const int32_t s = picked[i];
+        job.out_valid[i] = true;
+        job.out_slot[i] = s;
+        job.out_key[i] = info.key(s);
+        job.out_prob[i] = job.wtree != nullptr ? DivideExact(job.wtree[p + s], safe_total)
+                                               : uniform_prob;
+        job.out_prio[i] = info.priority(s);
+        if (distinct) {
+          info.set_times_sampled(s, Wrap(static_cast<uint32_t>(info.times_sampled(s)) + 1u));
+        }
+        job.out_times[i] = info.times_sampled(s);
+        job.out_version[i] = info.version(s);
+        for (size_t d = 0; d < n_data; ++d) {
+          CopyRow(job.rows[d] + i * job.row_bytes[d], job.src[d] + s * job.src_stride[d],
+                  job.row_bytes[d]);
+        }
+      } else {
+        job.out_valid[i] = false;
+        job.out_slot[i] = -1;
+        job.out_key[i] = 0;
+        job.out_prob[i] = 0.0f;
+        job.out_prio[i] = 0.0f;
+        job.out_times[i] = 0;
+        job.out_version[i] = 0;
+        for (size_t d = 0; d < n_data; ++d) {
+          std::memset(job.rows[d] + i * job.row_bytes[d], 0, job.row_bytes[d]);
+        }
       }
     }
+  };
+  job.pool->For(b, std::max<int64_t>(kMinChunkBytes / std::max<size_t>(item_bytes, 1), 1),
+                copy_rows);
+  uint64_t stale_sum = 0;
+  if (job.has_version) {
+    for (int64_t i = 0; i < n; ++i) stale_sum += Behind(job.version, job.out_version[i]);
   }
   if (!job.enabled) return 0;  // disabled: the state stays untouched
   job.ledger.Count(kLSamples, static_cast<uint64_t>(n));
