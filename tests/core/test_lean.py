@@ -96,6 +96,17 @@ def test_kth_occupied_equals_the_binary_descent():
       # The last levels counted from the occupied column (bool[C]) instead of the tree.
       got = lean_uniform.kth_occupied(tree, k, jnp.asarray(occ[:cap]))
       np.testing.assert_array_equal(np.asarray(got), want)
+      # Both ways of counting them (on CPU, kth_occupied counts in blocks wherever the
+      # capacity is a multiple of the block; off the CPU, byte by byte).
+      leaf_levels = min(6, trees.depth(p))
+      if cap % (1 << leaf_levels) == 0:
+        first = (np.asarray(want) >> leaf_levels) << leaf_levels
+        rank = np.asarray(k) - np.cumsum(np.concatenate([[0], occ]))[first]
+        args = (jnp.asarray(occ[:cap]), jnp.asarray(first, jnp.int32),
+                jnp.asarray(rank, jnp.int32))
+        for got in (lean_uniform.kth_in_block(*args, leaf_levels=leaf_levels),
+                    lean_uniform.kth_bytewise(*args, leaf_levels=leaf_levels, p=p)):
+          np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_below_is_the_64_bit_fixed_point_product():

@@ -35,6 +35,7 @@ floor((hi_i * 2**32 + lo_i) * N / 2**64)``, used as ``x_i`` directly).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -130,8 +131,25 @@ def kth_occupied(tree, k, occupied=None):
   leaf_levels = min(_LEAF_LEVELS, trees.depth(p))
   node, k = _descend(tree, k, leaf_levels)
   first = (node - (p >> leaf_levels)) * (1 << leaf_levels)  # the first slot under ``node``
-  # On CPU each row's line of ``occupied`` is read first by a loop of its own (one byte
-  # a row, materialized): the B cache misses overlap there, where inside the counting
+  bytewise = functools.partial(kth_bytewise, occupied, leaf_levels=leaf_levels, p=p)
+  if occupied.shape[0] % (1 << leaf_levels):
+    # The block of the last slots ends past the column (a clamped slice would shift).
+    return bytewise(first, k)
+  # The same slots either way. On a GPU the byte-by-byte counting is one kernel whose
+  # threads are the rows; the blocks' reduction and second gather would be one more
+  # (deviceless H200: 24 -> 25 kernels an in-scan uniform step).
+  return lax.platform_dependent(
+      first, k, cpu=functools.partial(kth_in_block, occupied, leaf_levels=leaf_levels),
+      default=bytewise)
+
+
+def kth_bytewise(occupied, first, k, *, leaf_levels: int, p: int):
+  """``kth_in_block``'s slots, counting the block's bytes one gather each (any capacity:
+  a slot at or past the column, whose tree leaf ``p`` counts, counts 0). What
+  ``kth_occupied`` runs off the CPU, and on it where the capacity is not a multiple of
+  the block."""
+  # On CPU each row's line of ``occupied`` is read first by a loop of its own (one byte a
+  # row, materialized): the B cache misses overlap there, where inside the counting
   # loop below they would come one row at a time (see _GROUP_LEVELS). Elsewhere the read
   # stays in the counting (on a GPU the rows are threads, and a loop of its own would be
   # one more kernel a sample). The same value either way.
@@ -148,8 +166,32 @@ def kth_occupied(tree, k, occupied=None):
   return start + idx
 
 
+def kth_in_block(occupied, first, k, *, leaf_levels: int):
+  """The slot (int32[B]) of the ``k``-th (int32[B]) occupied byte of each row's block
+  ``occupied[first : first + 2**leaf_levels]`` (``first`` int32[B], a multiple of the
+  block, which must end inside the column: a clamped slice would shift). Two gathers of whole slices: the blocks (``[B, 64]``: one line a
+  row, summed in groups by one reduction), then the group taken (``[B, 8]``, a line just
+  read). A slice gather is a loop over the rows with the slice inside, so the rows'
+  cache misses overlap; the byte-by-byte counting (``kth_occupied``'s other branch) is
+  ~70 one-byte gathers a row in one long chain of dependent steps. Measured in the
+  in-scan uniform step (insert 16 + sample 256, C = 262,144, the 2-core VM, variants
+  in one process): 62-65 -> 51 us, where the step without any descent is 27 us.
+  """
+  block = 1 << leaf_levels
+  g = 1 << min(_GROUP_LEVELS, leaf_levels)
+  rows = lax.gather(occupied, first[:, None], _SLICE, (block,), mode=_CLIP).astype(jnp.int32)
+  sums = jnp.sum(rows.reshape(-1, block // g, g), axis=-1)  # [B, groups]
+  k, gi = _take_child(k, [sums[:, j] for j in range(block // g)])
+  start = first + gi * g
+  group = lax.gather(occupied, start[:, None], _SLICE, (g,), mode=_CLIP).astype(jnp.int32)
+  _, idx = _take_child(k, [group[:, j] for j in range(g)])
+  return start + idx
+
+
 _CLIP = lax.GatherScatterMode.CLIP
 _ONE = lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,))
+# A slice of consecutive elements a row: ``[B, size]``.
+_SLICE = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(), start_index_map=(0,))
 
 
 def _count_at(occupied, s, p: int):
