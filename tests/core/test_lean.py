@@ -85,7 +85,9 @@ def test_kth_occupied_equals_the_binary_descent():
   rng = np.random.default_rng(4)
   for p in (1, 2, 8, 64, 1024, 1 << 13, 1 << 20):  # 2**20: levels below the copied top
     # Capacities below the tree size P too: the slots past C stay empty.
-    for cap in sorted({p, max(1, p - 3), p // 2 + 1}):
+    # p - 64: a multiple of the 64-slot block below P (the CPU's block gathers, whose last
+    # block ends at C).
+    for cap in sorted({p, max(1, p - 3), p // 2 + 1} | ({p - 64} if p >= 128 else set())):
       occ = np.zeros(p, bool)
       occ[:cap] = rng.random(cap) < rng.random()
       occ[rng.integers(cap)] = True
