@@ -1,13 +1,13 @@
 // Splitting a batch's rows (their copies; draw.h: the weight descents) between
-// the calling thread and XLA's intra-op
-// thread pool. The sample's row copies are cache misses (a random row of a
-// table much larger than the caches per sampled item): one thread keeps only
-// so many in flight, and the XLA program around the kernel runs its own
-// gathers on every thread of the pool (on the 2-core VM flashbax's gathers
-// take both cores while the kernel took one). Which thread copies which row
-// changes no result: every chunk writes its own rows and slots (sample_core.h
-// says why the slots are distinct), and what sums over the rows (the staleness
-// sum) runs on the calling thread after every chunk is done.
+// the calling thread and XLA's intra-op thread pool. The sample's row copies
+// are cache misses (a random row of a table much larger than the caches per
+// sampled item): one thread keeps only so many in flight, and the XLA program
+// around the kernel runs its own gathers on every thread of the pool (on the
+// 2-core VM flashbax's gathers take both cores while the kernel took one).
+// Which thread copies which row changes no result: every chunk writes its own
+// rows and slots (sample_core.h says why the slots are distinct), and what
+// sums over the rows (the staleness sum) runs on the calling thread after
+// every chunk is done.
 #ifndef FUNCREPLAY_NATIVE_PARALLEL_H_
 #define FUNCREPLAY_NATIVE_PARALLEL_H_
 
