@@ -170,14 +170,16 @@ def kth_in_block(occupied, first, k, *, leaf_levels: int):
   """The slot (int32[B]) of the ``k``-th (int32[B]) occupied byte of each row's block
   ``occupied[first : first + 2**leaf_levels]`` (``first`` int32[B], a multiple of the
   block, which must end inside the column: a clamped slice would shift). ``k`` below
-  the number of occupied slots, as ``kth_occupied``'s (on an empty table both give P - 1,
-  from ``first``; past the last occupied slot their answers, >= C, may differ). Two gathers of whole slices: the blocks (``[B, 64]``: one line a
-  row, summed in groups by one reduction), then the group taken (``[B, 8]``, a line just
-  read). A slice gather is a loop over the rows with the slice inside, so the rows'
-  cache misses overlap; the byte-by-byte counting (``kth_occupied``'s other branch) is
-  ~70 one-byte gathers a row in one long chain of dependent steps. Measured in the
-  in-scan uniform step (insert 16 + sample 256, C = 262,144, the 2-core VM, variants
-  in one process): 62-65 -> 51 us, where the step without any descent is 27 us.
+  the number of occupied slots, as ``kth_occupied``'s (on an empty table both ways give
+  P - 1, from ``first``; past the last occupied slot their answers, >= C, may differ).
+
+  Two gathers of whole slices: the blocks (``[B, 64]``: one line a row, summed in groups
+  by one reduction), then the group taken (``[B, 8]``, a line just read). A slice gather
+  is a loop over the rows with the slice inside, so the rows' cache misses overlap;
+  ``kth_bytewise`` is ~70 one-byte gathers a row in one long chain of dependent steps.
+  Measured in the in-scan uniform step (insert 16 + sample 256, C = 262,144, the 2-core
+  VM, variants in one process): 62-65 -> 51 us, where the step without any descent is
+  27 us (BUILD.md finding 33).
   """
   block = 1 << leaf_levels
   g = 1 << min(_GROUP_LEVELS, leaf_levels)
