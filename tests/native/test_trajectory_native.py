@@ -313,3 +313,33 @@ print("ok")
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=120)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_windows_copied_in_chunks_equal_portable():
+  """The gather copies windows in chunks of >= 16 KB, on XLA's thread pool as well as the
+  calling thread (csrc/xla_row_pool.h): windows of 8 steps of 4 KB (a chunk each), after
+  the time ring wrapped, with and without replacement; every window consecutive."""
+  big = {"x": jax.ShapeDtypeStruct((), jnp.int32),
+         "obs": jax.ShapeDtypeStruct((1024,), jnp.float32)}
+  spec = fr.TrajectorySpec(3, 64, 8, 1, big, cross_episodes=True)
+  outs = {}
+  for native in (True, False):
+    t = jitted(spec, native)
+    assert (native_traj.TARGET in _compiled(fr.make_trajectory_table(spec, native=native),
+                                            spec)) == native
+    s = t.init()
+    for r in range(3):  # 120 steps an env into a ring of 64
+      p = (jnp.arange(3)[:, None] * 1000 + r * 40 + jnp.arange(40)[None, :]).astype(jnp.int32)
+      s = t.add(s, {"x": p, "obs": jnp.broadcast_to(p[..., None], (3, 40, 1024)).astype(
+          jnp.float32)})
+    batches = []
+    for i, replace in enumerate((False, True)):
+      s, smp = t.sample(s, jax.random.PRNGKey(i), batch_size=32, replace=replace)
+      batches.append(smp)
+    outs[native] = (s, batches)
+  assert_trees_equal(outs[True], outs[False], "chunked windows")
+  for smp in outs[True][1]:
+    x, obs = np.asarray(smp.data["x"]), np.asarray(smp.data["obs"])
+    assert int(np.sum(smp.valid)) == 32
+    np.testing.assert_array_equal(obs[..., 7], x)
+    assert np.all(np.diff(x, axis=1) == 1) and np.all(x % 1000 >= 120 - 64)

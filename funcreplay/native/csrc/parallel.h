@@ -11,6 +11,8 @@
 #ifndef FUNCREPLAY_NATIVE_PARALLEL_H_
 #define FUNCREPLAY_NATIVE_PARALLEL_H_
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 
@@ -33,6 +35,17 @@ class RowPool {
 
 // The calling thread alone: the default of every caller without XLA's pool.
 inline const RowPool kSerialRows{};
+
+// The bytes a chunk of row copies holds at least: ~16 KB (32 rows of the
+// benchmarks' 524-byte item), so that a chunk's copies outweigh handing it to
+// another thread (a task's start: ~1-5 us), and a batch of 8 stays on one thread.
+constexpr int64_t kMinChunkBytes = 16 << 10;
+
+// The rows of ``row_bytes`` bytes each (all of a row's fields) a chunk holds.
+inline int64_t RowsPerChunk(size_t row_bytes) {
+  return std::max<int64_t>(kMinChunkBytes / static_cast<int64_t>(std::max<size_t>(row_bytes, 1)),
+                           1);
+}
 
 }  // namespace funcreplay
 

@@ -56,11 +56,6 @@ inline int32_t StalenessThreshold(int32_t version, int64_t max_staleness) {
   return std::max(version, std::numeric_limits<int32_t>::min() + ms) - ms;
 }
 
-// The rows a chunk of the row copies holds at least: ~16 KB (32 rows of the
-// benchmarks' 524-byte item), so that a chunk's copies outweigh handing it to
-// another thread (a task's start: ~1-5 us), and a batch of 8 stays on one thread.
-constexpr int64_t kMinChunkBytes = 16 << 10;
-
 // One sample call: everything but the buffers' origin.
 struct SampleJob {
   // Static configuration.
@@ -291,8 +286,7 @@ inline int64_t RunSample(SampleJob& job) {
       }
     }
   };
-  job.pool->For(b, std::max<int64_t>(kMinChunkBytes / std::max<size_t>(item_bytes, 1), 1),
-                copy_rows);
+  job.pool->For(b, RowsPerChunk(item_bytes), copy_rows);
   uint64_t stale_sum = 0;
   if (job.has_version) {
     for (int64_t i = 0; i < n; ++i) stale_sum += Behind(job.version, job.out_version[i]);

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "random.h"
+#include "xla_row_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -101,9 +102,9 @@ ffi::Error WindowDrawImpl(U32_1 key, S32_1 head, S32_1 filled, ffi::Result<S32_1
 constexpr int64_t kWindowsAhead = 4;
 constexpr int64_t kLine = 64;
 
-ffi::Error WindowGatherImpl(S32_1 w, Bool1 valid, ffi::RemainingArgs data,
-                            ffi::RemainingRets out, int64_t num_envs, int64_t time_capacity,
-                            int64_t sequence_length, int64_t period) {
+ffi::Error WindowGatherImpl(ffi::ThreadPool pool, S32_1 w, Bool1 valid,
+                            ffi::RemainingArgs data, ffi::RemainingRets out, int64_t num_envs,
+                            int64_t time_capacity, int64_t sequence_length, int64_t period) {
   const int64_t b = static_cast<int64_t>(w.element_count());
   const int64_t e = num_envs, t = time_capacity, ln = sequence_length, p = period;
   if (p < 1 || t % p != 0 || ln < 1 || ln > t || e < 1 ||
@@ -122,6 +123,13 @@ ffi::Error WindowGatherImpl(S32_1 w, Bool1 valid, ffi::RemainingArgs data,
           " out of range [0, " + std::to_string(n_windows) + ")");
     }
   }
+  struct Leaf {
+    const char* src;
+    char* dst;
+    size_t row, window;  // bytes of one step, of one window (L steps)
+  };
+  std::vector<Leaf> leaves;
+  size_t window_bytes = 0;  // all leaves
   for (size_t d = 0; d < data.size(); ++d) {
     auto src_buf = data.get<ffi::AnyBuffer>(d).value();
     auto dst_buf = out.get<ffi::AnyBuffer>(d).value();
@@ -133,36 +141,45 @@ ffi::Error WindowGatherImpl(S32_1 w, Bool1 valid, ffi::RemainingArgs data,
           " and its result disagree on the step's size");
     }
     const size_t row = src_bytes / static_cast<size_t>(e * t);
-    const char* src = static_cast<const char*>(src_buf.untyped_data());
-    char* dst = static_cast<char*>(dst_buf->untyped_data());
-    const size_t window = row * static_cast<size_t>(ln);
-    auto first_row = [&](int64_t i) {
-      const int64_t env = ids[i] / per_env, start = (ids[i] % per_env) * p;
-      return src + static_cast<size_t>(env * t + start) * row;
-    };
-    for (int64_t i = 0; i < std::min<int64_t>(kWindowsAhead, b); ++i) {
-      if (ok[i]) __builtin_prefetch(first_row(i));
-    }
-    for (int64_t i = 0; i < b; ++i) {
-      const int64_t ahead = i + kWindowsAhead;
-      if (ahead < b && ok[ahead]) {
-        const char* q = first_row(ahead);
-        for (size_t at = 0; at < std::min<size_t>(window, 4 * kLine); at += kLine) {
-          __builtin_prefetch(q + at);
-        }
-      }
-      char* to = dst + static_cast<size_t>(i) * window;
-      if (!ok[i]) {
-        std::memset(to, 0, window);
-        continue;
-      }
-      const int64_t env = ids[i] / per_env, start = (ids[i] % per_env) * p;
-      const int64_t run = std::min(ln, t - start);  // steps before the ring wraps
-      const char* base = src + static_cast<size_t>(env * t) * row;
-      std::memcpy(to, base + static_cast<size_t>(start) * row, static_cast<size_t>(run) * row);
-      if (run < ln) std::memcpy(to + run * row, base, static_cast<size_t>(ln - run) * row);
-    }
+    leaves.push_back({static_cast<const char*>(src_buf.untyped_data()),
+                      static_cast<char*>(dst_buf->untyped_data()), row,
+                      row * static_cast<size_t>(ln)});
+    window_bytes += row * static_cast<size_t>(ln);
   }
+  // Windows lo..hi of every leaf: chunks of windows on this thread and XLA's pool
+  // (xla_row_pool.h); each chunk writes its own windows.
+  auto copy = [&](int64_t lo, int64_t hi) {
+    for (const Leaf& f : leaves) {
+      auto first_row = [&](int64_t i) {
+        const int64_t env = ids[i] / per_env, start = (ids[i] % per_env) * p;
+        return f.src + static_cast<size_t>(env * t + start) * f.row;
+      };
+      for (int64_t i = lo; i < std::min<int64_t>(lo + kWindowsAhead, hi); ++i) {
+        if (ok[i]) __builtin_prefetch(first_row(i));
+      }
+      for (int64_t i = lo; i < hi; ++i) {
+        const int64_t ahead = i + kWindowsAhead;
+        if (ahead < hi && ok[ahead]) {
+          const char* q = first_row(ahead);
+          for (size_t at = 0; at < std::min<size_t>(f.window, 4 * kLine); at += kLine) {
+            __builtin_prefetch(q + at);
+          }
+        }
+        char* to = f.dst + static_cast<size_t>(i) * f.window;
+        if (!ok[i]) {
+          std::memset(to, 0, f.window);
+          continue;
+        }
+        const int64_t env = ids[i] / per_env, start = (ids[i] % per_env) * p;
+        const int64_t run = std::min(ln, t - start);  // steps before the ring wraps
+        const char* base = f.src + static_cast<size_t>(env * t) * f.row;
+        std::memcpy(to, base + static_cast<size_t>(start) * f.row,
+                    static_cast<size_t>(run) * f.row);
+        if (run < ln) std::memcpy(to + run * f.row, base, static_cast<size_t>(ln - run) * f.row);
+      }
+    }
+  };
+  funcreplay::XlaRowPool(pool).For(b, funcreplay::RowsPerChunk(window_bytes), copy);
   return ffi::Error::Success();
 }
 
@@ -233,6 +250,7 @@ ffi::Error WindowIndexDrawImpl(U32_1 key, U32_1 ok_bits, S32_1 ok_tree,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FuncreplayWindowGather, WindowGatherImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()  // the window copies
                                   .Arg<S32_1>()  // w
                                   .Arg<Bool1>()  // valid
                                   .RemainingArgs()  // storage leaves [E, T, ...]
