@@ -123,7 +123,9 @@ def kth_occupied(tree, k, occupied=None):
   The same slot as ``trees.descend_count(tree, k, free=False)``, by ``_LEVELS``
   levels per step. With ``occupied`` (bool[C], the table's column: the tree's
   leaves), the last ``_LEAF_LEVELS`` levels count its bytes instead of reading the
-  tree. ``k`` (int32[B]) must be below the number of occupied slots.
+  tree: on the CPU a row's block of them as one slice (``kth_in_block``, where the
+  capacity is a multiple of the block), else one byte at a time (``kth_bytewise``).
+  ``k`` (int32[B]) must be below the number of occupied slots.
   """
   if occupied is None:
     return kth_with_rank(tree, k)[0]
