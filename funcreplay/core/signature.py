@@ -185,6 +185,26 @@ def scalar_leaf(x, dtype, name: str) -> np.ndarray:
   return np.asarray(x, dtype=d)
 
 
+def _nested_to_array(leaf, name: str, spec, batched: bool) -> np.ndarray:
+  """A leaf given as (nested) Python lists or scalars, as a numpy array: a ragged list or
+  one holding non-numbers is an error naming the leaf and the shape every row needs."""
+  kind = type(leaf).__name__
+  rows = f"[B, {', '.join(map(str, spec.shape))}]" if batched else list(spec.shape)
+  try:
+    a = np.asarray(leaf)
+  except ValueError as e:  # numpy >= 1.24: "inhomogeneous shape"
+    raise ValueError(f"item leaf {name}: a ragged {kind} (its rows differ in length; "
+                     f"numpy: {e}). The leaf needs shape {rows}.") from None
+  if a.dtype == object:
+    raise TypeError(f"item leaf {name}: a {kind} holding non-numbers (e.g. None or mixed "
+                    f"types) is not an array of {np.dtype(spec.dtype).name}.")
+  if a.dtype != np.dtype(spec.dtype) and a.dtype.kind in "biufc":
+    # Python numbers default to int64 / float64; say how to build the right array.
+    raise dtype_error(name, spec.dtype, f"{a.dtype.name} (numpy's default for a {kind} of "
+                      "Python numbers)", cast="np.asarray(x, np.{})")
+  return a
+
+
 def check_items(signature: Signature, items: Any, *, batched: bool = True,
                 batch_size: Optional[int] = None) -> Tuple[Any, int]:
   """Validate ``items`` against ``signature`` at the host boundary.
@@ -217,9 +237,7 @@ def check_items(signature: Signature, items: Any, *, batched: bool = True,
     if isinstance(leaf, (bool, int, float)) and not batched:
       leaf = scalar_leaf(leaf, spec.dtype, name)
     if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-      leaf = np.asarray(leaf)
-      if leaf.dtype == object:
-        raise TypeError(f"item leaf {name}: cannot convert {type(leaf).__name__} to an array")
+      leaf = _nested_to_array(leaf, name, spec, batched)
     want_shape = tuple(spec.shape)
     got_shape = tuple(leaf.shape)
     if batched:

@@ -93,6 +93,31 @@ def test_put_batch_and_table_insert_give_the_same_dtype_error():
   assert t.size == 0
 
 
+NESTED = {"obs": jax.ShapeDtypeStruct((3,), jnp.float32), "a": jax.ShapeDtypeStruct((), jnp.int32)}
+A2 = np.array([0, 1], np.int32)
+
+
+@pytest.mark.parametrize("obs,exc,match", [
+    ([[1, 2, 3], [1, 2]], ValueError, r"\['obs'\]: a ragged list .*needs shape \[B, 3\]"),
+    ([[1, 2, 3], [1, 2, None]], TypeError, r"\['obs'\]: a list holding non-numbers"),
+    ([[1.0, 2.0, 3.0]] * 2, TypeError,
+     r"\['obs'\]: expected dtype float32, got float64 .*np\.asarray\(x, np\.float32\)"),
+])
+def test_nested_lists_name_the_leaf(obs, exc, match):
+  # Leaves given as Python lists: numpy's own messages ("inhomogeneous shape", "cannot
+  # convert") named neither the leaf nor the shape it needs.
+  t = Table(fr.TableSpec(8, NESTED))
+  t.insert({"obs": np.ones((1, 3), np.float32), "a": A2[:1]})
+  with pytest.raises(exc, match="Table.insert: item leaf " + match):
+    t.insert({"obs": obs, "a": A2})
+  with t.ingestor() as ing:
+    with pytest.raises(exc, match="Ingestor.put_batch: item leaf " + match):
+      ing.put_batch({"obs": obs, "a": A2})
+  assert t.size == 1  # nothing of the bad batches stored
+  t.insert({"obs": np.asarray([[1, 2, 3]] * 2, np.float32), "a": A2})  # the right array
+  assert t.size == 3
+
+
 @pytest.mark.parametrize("bad,exc,match", LOSSY[:3])
 def test_sequence_writer_refuses_lossy_scalars(bad, exc, match):
   t = Table(fr.TableSpec(8, sequence_signature(SIG, 2)))
