@@ -27,6 +27,9 @@ uniform case (its sample frees the items it uses up; flashbax has no reuse limit
 its step does less). ``--ring`` adds tables without holes (``TableSpec(holes=False)``:
 no delete, eviction or reuse limit, like a flashbax buffer; the uniform sample maps a
 position to its slot by ring arithmetic, BUILD.md finding 23), portable and native.
+``--replace`` adds the uniform case sampled *with* replacement (``replace=True``, flashbax's
+semantics: no draw without replacement to resolve), portable and native, next to the
+default rows, which sample without.
 
 ``--platform`` (default: JAX's default backend) runs the same cases on a GPU or
 TPU: flashbax's prioritised buffer is then built with its ``device=`` for that
@@ -94,21 +97,24 @@ def _fbx_filled(buf, fill):
   return h
 
 
-def uniform_runners(tables, fbx, fill, xs16, xs1, target_s, xs1_long):
+def uniform_runners(tables, fbx, fill, xs16, xs1, target_s, xs1_long, replace=()):
+  """The uniform case's runners; the tables named in ``replace`` sample with replacement."""
   runners = {}
 
   def add(name, h, steps):
     runners[f"{name} scan"] = h.runner(jax.jit(steps["scan"], donate_argnums=0), xs16,
                                        target_s=target_s)
+    runners[f"{name} smp-ins"] = h.runner(jax.jit(steps["smp-ins"], donate_argnums=0), xs16,
+                                          target_s=target_s)
+    if name in replace:  # their inserts are the programs of the tables without ``replace``
+      return
     runners[f"{name} insert1"] = h.runner(jax.jit(steps["insert1"], donate_argnums=0), xs1,
                                           target_s=target_s)
     runners[f"{name} insert1-1k"] = h.runner(jax.jit(steps["insert1"], donate_argnums=0),
                                              xs1_long, target_s=target_s)
-    runners[f"{name} smp-ins"] = h.runner(jax.jit(steps["smp-ins"], donate_argnums=0), xs16,
-                                          target_s=target_s)
 
   for name, t in tables.items():
-    add(name, _filled(t, fill), scan_steps.table_uniform_steps(t))
+    add(name, _filled(t, fill), scan_steps.table_uniform_steps(t, replace=name in replace))
   buf = fbx.make_item_buffer(max_length=CAPACITY, min_length=1, sample_batch_size=SMP,
                              add_batches=True)
   add("flashbax", _fbx_filled(buf, fill), scan_steps.flashbax_uniform_steps(buf))
@@ -170,7 +176,7 @@ def hlo_counts(fbx):
 
 # The options of ``run`` and their defaults (the absl flags below, and ``bench_core --scan``).
 OPTIONS = dict(rounds=5, target_s=0.15, cases="uniform,prioritized", hlo=False, ring=False,
-               native=True, platform="", reuse=0)
+               native=True, platform="", reuse=0, replace=False)
 
 
 def start(**options):
@@ -238,8 +244,13 @@ def run(a):
     if case == "uniform" and a.reuse:  # Reverb's reuse limit: used-up items freed
       tables[f"reuse{a.reuse}"] = fr.make_table(spec.replace(max_times_sampled=a.reuse),
                                                 native=False)
+    replace = set()
+    if case == "uniform" and a.replace:  # with replacement, as flashbax samples
+      replace = {"replace"} | ({"replace-native"} if "native" in tables else set())
+      for name in sorted(replace):
+        tables[name] = fr.make_table(spec, native=name.endswith("native"))
     if case == "uniform":
-      runners = uniform_runners(tables, fbx, fill, xs16, xs1, a.target_s, xs1_long)
+      runners = uniform_runners(tables, fbx, fill, xs16, xs1, a.target_s, xs1_long, replace)
       kinds = ("scan", "smp-ins", "insert1", "insert1-1k")
     else:
       batches = SMALL_BATCHES if case == "prioritized-small" else (SMP,)
@@ -261,11 +272,11 @@ def report(case, runners, kinds, rounds, steps, names=None, peer="flashbax"):
     ours = names if names is not None else [
         k[:-len(kind) - 1] for k in runners if k.endswith(f" {kind}") and
         not k.startswith(f"{peer} ")]
-    for name in ours:
+    for name in (n for n in ours if f"{n} {kind}" in runners):  # not every table runs all
       s, c = secs[f"{name} {kind}"], cpu[f"{name} {kind}"]
       spread = np.ptp(runners[f"{name} {kind}"].times) / s
       n = LONG_STEPS if kind.endswith("-1k") else steps
-      print(f"{case:<12} {kind:<10} {name:<9} {s / n * 1e6:9.2f} us/step  {peer} "
+      print(f"{case:<12} {kind:<10} {name:<14} {s / n * 1e6:9.2f} us/step  {peer} "
             f"{f / n * 1e6:9.2f} us/step  ratio {f / s:5.2f}x  (spread {spread:.0%}; "
             f"process CPU time ratio {fc / c:5.2f}x)")
 
@@ -279,6 +290,8 @@ if __name__ == "__main__":
                       "ordered")
   flags.DEFINE_bool("hlo", OPTIONS["hlo"], "print the HLO operation counts first")
   flags.DEFINE_bool("ring", OPTIONS["ring"], "also tables without holes (TableSpec(holes=False))")
+  flags.DEFINE_bool("replace", OPTIONS["replace"], "also the uniform case sampled with "
+                    "replacement (flashbax's semantics), portable and native")
   flags.DEFINE_integer("reuse", OPTIONS["reuse"], "also a portable table with this "
                        "max_times_sampled in the uniform case (0: not run)")
   flags.DEFINE_bool("native", OPTIONS["native"],

@@ -53,10 +53,11 @@ def uniform_steps(insert, sample):
   return {"scan": scan, "smp-ins": sample_insert, "insert1": insert1}
 
 
-def table_uniform_steps(t, batch=SMP):
-  """``uniform_steps`` of a funcreplay table (uniform sample without replacement)."""
+def table_uniform_steps(t, batch=SMP, replace=False):
+  """``uniform_steps`` of a funcreplay table (uniform sample without replacement, or with
+  ``replace``)."""
   def sample(s, key):
-    s, smp = t.sample(s, key, batch_size=batch)
+    s, smp = t.sample(s, key, batch_size=batch, replace=replace)
     return s, smp.data
   return uniform_steps(t.insert, sample)
 
