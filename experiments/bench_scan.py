@@ -258,13 +258,14 @@ def run(a):
       for b in batches:
         runners.update(prioritized_runners(tables, fbx, fill, a.target_s, platform, b))
       kinds = tuple(_prio_kind(b) for b in batches)
-    report(case, runners, kinds, a.rounds, STEPS, tables)
+    report(case, runners, kinds, a.rounds, STEPS, tables, partial=replace)
     del runners
 
 
-def report(case, runners, kinds, rounds, steps, names=None, peer="flashbax"):
+def report(case, runners, kinds, rounds, steps, names=None, peer="flashbax", partial=()):
   """Measure ``runners`` (``"<name> <kind>"``, ``"<peer> <kind>"`` the peer) round-robin
-  and print each one's time a step and ratio to the peer (wall, and process CPU time)."""
+  and print each one's time a step and ratio to the peer (wall, and process CPU time).
+  ``partial``: names that have runners for some of the kinds only."""
   secs = measure(runners, rounds)
   cpu = {k: float(np.median(r.cpu_times)) for k, r in runners.items()}
   for kind in kinds:
@@ -272,7 +273,9 @@ def report(case, runners, kinds, rounds, steps, names=None, peer="flashbax"):
     ours = names if names is not None else [
         k[:-len(kind) - 1] for k in runners if k.endswith(f" {kind}") and
         not k.startswith(f"{peer} ")]
-    for name in (n for n in ours if f"{n} {kind}" in runners):  # not every table runs all
+    for name in ours:
+      if name in partial and f"{name} {kind}" not in runners:
+        continue
       s, c = secs[f"{name} {kind}"], cpu[f"{name} {kind}"]
       spread = np.ptp(runners[f"{name} {kind}"].times) / s
       n = LONG_STEPS if kind.endswith("-1k") else steps

@@ -187,7 +187,7 @@ def scalar_leaf(x, dtype, name: str) -> np.ndarray:
 
 def _nested_to_array(leaf, name: str, spec, batched: bool) -> np.ndarray:
   """A leaf given as (nested) Python lists or scalars, as a numpy array: a ragged list or
-  one holding non-numbers is an error naming the leaf and the shape every row needs."""
+  one holding what is no number is an error naming the leaf and the shape it needs."""
   kind = type(leaf).__name__
   rows = f"[B, {', '.join(map(str, spec.shape))}]" if batched else list(spec.shape)
   try:
@@ -196,13 +196,14 @@ def _nested_to_array(leaf, name: str, spec, batched: bool) -> np.ndarray:
     raise ValueError(f"item leaf {name}: a ragged {kind} (its rows differ in length; "
                      f"numpy: {e}). The leaf needs shape {rows}.") from None
   if a.dtype == object:
-    raise TypeError(f"item leaf {name}: a {kind} holding non-numbers (e.g. None or mixed "
-                    f"types) is not an array of {np.dtype(spec.dtype).name}.")
-  if a.dtype != np.dtype(spec.dtype) and a.dtype.kind in "biufc":
-    # Python numbers default to int64 / float64; say how to build the right array.
-    raise dtype_error(name, spec.dtype, f"{a.dtype.name} (numpy's default for a {kind} of "
-                      "Python numbers)", cast="np.asarray(x, np.{})")
+    raise TypeError(f"item leaf {name}: a {kind} numpy holds as Python objects (an element "
+                    f"such as None, mixed types, or an int beyond int64) is not an array of "
+                    f"{np.dtype(spec.dtype).name}.")
   return a
+
+
+# What numpy makes of Python ints and floats: a list of them arrives with these dtypes.
+_PYTHON_NUMBER_DTYPES = (np.dtype(np.int64), np.dtype(np.float64))
 
 
 def check_items(signature: Signature, items: Any, *, batched: bool = True,
@@ -233,7 +234,8 @@ def check_items(signature: Signature, items: Any, *, batched: bool = True,
         f"item structure does not match the table signature.\n  expected: "
         f"{signature.treedef}\n  got:      {got}\n  ({e})") from None
   out, sizes = [], []
-  for name, spec, leaf in zip(signature.names, signature.leaves, leaves):
+  for name, spec, given in zip(signature.names, signature.leaves, leaves):
+    leaf = given
     if isinstance(leaf, (bool, int, float)) and not batched:
       leaf = scalar_leaf(leaf, spec.dtype, name)
     if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
@@ -257,6 +259,10 @@ def check_items(signature: Signature, items: Any, *, batched: bool = True,
           f"{leaf.dtype} is not a numpy / JAX array; convert it first (torch tensors: "
           "funcreplay.torch.from_torch(items), zero copy, or tensor.numpy()).") from None
     if got_dtype != np.dtype(spec.dtype):
+      if isinstance(given, (list, tuple)) and got_dtype in _PYTHON_NUMBER_DTYPES:
+        # A list of Python numbers has no ``astype``: say how to build the right array.
+        raise dtype_error(name, spec.dtype, f"{got_dtype.name} (numpy's default for Python "
+                          "numbers in a list)", cast="np.asarray(x, np.{})")
       raise dtype_error(name, spec.dtype, got_dtype.name)
     out.append(leaf)
   if batched:

@@ -99,9 +99,11 @@ A2 = np.array([0, 1], np.int32)
 
 @pytest.mark.parametrize("obs,exc,match", [
     ([[1, 2, 3], [1, 2]], ValueError, r"\['obs'\]: a ragged list .*needs shape \[B, 3\]"),
-    ([[1, 2, 3], [1, 2, None]], TypeError, r"\['obs'\]: a list holding non-numbers"),
+    ([[1, 2, 3], [1, 2, None]], TypeError, r"\['obs'\]: a list numpy holds as Python objects"),
     ([[1.0, 2.0, 3.0]] * 2, TypeError,
      r"\['obs'\]: expected dtype float32, got float64 .*np\.asarray\(x, np\.float32\)"),
+    # The shape is checked first: a list of the wrong shape and dtype gets the shape's error.
+    ([1.0, 2.0], ValueError, r"\['obs'\]: expected shape \[B, 3\]"),
 ])
 def test_nested_lists_name_the_leaf(obs, exc, match):
   # Leaves given as Python lists: numpy's own messages ("inhomogeneous shape", "cannot
