@@ -293,3 +293,29 @@ def test_rows_copied_in_chunks_are_bit_identical(sampler):
   for b in results[True][1]:
     assert int(np.sum(b.valid)) == 64
     np.testing.assert_array_equal(np.asarray(b.data["y"])[:, 5], np.asarray(b.data["x"]))
+
+
+def test_count_descents_in_chunks_are_bit_identical():
+  """With holes the kernel descends the count tree for each row (a full table or a ring
+  without holes takes the prefix shortcut), in chunks of 64 rows on XLA's thread pool as
+  well as the calling thread (csrc/draw.h ``KthOccupied``). Batches of 300 (5 chunks,
+  the last partial), with and without replacement, against the portable descent."""
+  spec = fr.TableSpec(4096, {"x": jax.ShapeDtypeStruct((), jnp.int32)})
+  ids = np.arange(4000, dtype=np.int32)
+  results = {}
+  for native in (True, False):
+    t = fr.make_table(spec, native=native)
+    s = jax.jit(t.insert)(t.init(), {"x": jnp.asarray(ids)})
+    gone = jnp.arange(3, 4000, 7, dtype=jnp.int32)
+    s = jax.jit(t.delete)(s, gone, s.key[gone])
+    sample = jax.jit(t.sample, static_argnames=("batch_size", "replace"))
+    outs = []
+    for i, replace in enumerate([False, True, False]):
+      s, b = sample(s, jax.random.PRNGKey(i), batch_size=300, replace=replace)
+      outs.append(b)
+    results[native] = (s, outs)
+  assert_bit_identical(results[True], results[False], "chunked count descents")
+  for b in results[True][1]:  # real batches: 300 valid rows, none of them deleted
+    assert int(np.sum(b.valid)) == 300
+    assert not np.any(np.asarray(b.data["x"]) % 7 == 3)
+    np.testing.assert_array_equal(np.asarray(b.data["x"]), np.asarray(b.info.slot))

@@ -85,30 +85,10 @@ inline void DescendWeights(const RowPool& pool, const float* tree, int64_t p, fl
   });
 }
 
-// uniform_lean.kth_occupied (= trees.descend_count(free=False)) for n ranks k < tree[1].
-inline void KthOccupied(const int32_t* tree, int64_t p, const int64_t* k_in, int64_t n,
-                        int32_t* out);
-
-// True when the occupied slots are exactly [0, tree[1]) (a table that is full, or a Fifo
-// ring that has not wrapped or holes): then the k-th occupied slot is k itself, the same
-// answer as the descent, at no cost. One descent decides it: the (size - 1)-th occupied
-// slot is size - 1 only if every slot below it is occupied.
-inline bool OccupiedIsPrefix(const int32_t* tree, int64_t p) {
-  const int64_t size = tree[1];
-  if (size <= 0) return true;
-  if (size == p) return true;
-  const int64_t last = size - 1;
-  int32_t slot;
-  KthOccupied(tree, p, &last, 1, &slot);
-  return slot == last;
-}
-
-inline void KthOccupied(const int32_t* tree, int64_t p, const int64_t* k_in, int64_t n,
-                        int32_t* out) {
-  if (n > 1 && OccupiedIsPrefix(tree, p)) {
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(k_in[i]);
-    return;
-  }
+// The descents of KthOccupied, level by level over the n ranks (their next level's nodes
+// prefetched together, so the cache misses of a level overlap).
+inline void DescendCounts(const int32_t* tree, int64_t p, const int64_t* k_in, int64_t n,
+                          int32_t* out) {
   std::vector<int64_t> node(n, 1), k(k_in, k_in + n);
   for (int64_t level = 1; level < p; level <<= 1) {
     for (int64_t i = 0; i < n; ++i) __builtin_prefetch(tree + 2 * node[i]);
@@ -123,6 +103,37 @@ inline void KthOccupied(const int32_t* tree, int64_t p, const int64_t* k_in, int
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(node[i] - p);
 }
 
+// True when the occupied slots are exactly [0, tree[1]) (a table that is full, or a Fifo
+// ring that has not wrapped or holes): then the k-th occupied slot is k itself, the same
+// answer as the descent, at no cost. One descent decides it: the (size - 1)-th occupied
+// slot is size - 1 only if every slot below it is occupied.
+inline bool OccupiedIsPrefix(const int32_t* tree, int64_t p) {
+  const int64_t size = tree[1];
+  if (size <= 0) return true;
+  if (size == p) return true;
+  const int64_t last = size - 1;
+  int32_t slot;
+  DescendCounts(tree, p, &last, 1, &slot);
+  return slot == last;
+}
+
+// uniform_lean.kth_occupied (= trees.descend_count(free=False)) for n ranks k < tree[1].
+// ``pool``: the descents in chunks of kDescentsPerChunk on it (parallel.h; each rank's
+// descent is its own, so the chunks give the slots one call gives). Only a table with
+// holes descends (a full table or a ring without holes takes the prefix shortcut): 256
+// descents of a 2**18-leaf tree cost the in-scan native step ~5 us on one thread (~11
+// in the VM's slow spells), ~1-2 us less in chunks (BUILD.md finding 35).
+inline void KthOccupied(const int32_t* tree, int64_t p, const int64_t* k_in, int64_t n,
+                        int32_t* out, const RowPool& pool = kSerialRows) {
+  if (n > 1 && OccupiedIsPrefix(tree, p)) {
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(k_in[i]);
+    return;
+  }
+  pool.For(n, kDescentsPerChunk, [&](int64_t lo, int64_t hi) {
+    DescendCounts(tree, p, k_in + lo, hi - lo, out + lo);
+  });
+}
+
 // Adds delta to leaf P + s of an int32 count tree and all its ancestors.
 inline void AddCount(int32_t* tree, int64_t p, int64_t s, int32_t delta) {
   for (int64_t node = p + s; node >= 1; node >>= 1) tree[node] += delta;
@@ -134,12 +145,12 @@ inline void AddCount(int32_t* tree, int64_t p, int64_t s, int32_t delta) {
 // mod c (uniform_lean.ring_slot). Returns the number of valid rows (a prefix of picked).
 inline int64_t DrawUniformLean(const int32_t* tree, int64_t p, int64_t c, int32_t write_pos,
                                uint32_t k0, uint32_t k1, int64_t b, bool replace,
-                               int32_t* picked) {
+                               int32_t* picked, const RowPool& pool = kSerialRows) {
   const int64_t size = tree[1];
   std::vector<int64_t> x(b);
   const int64_t n = Positions(k0, k1, 0, size, b, replace, b, x.data());
   if (write_pos < 0) {
-    KthOccupied(tree, p, x.data(), n, picked);
+    KthOccupied(tree, p, x.data(), n, picked, pool);
     return n;
   }
   for (int64_t i = 0; i < n; ++i) {

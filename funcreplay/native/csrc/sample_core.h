@@ -193,7 +193,8 @@ inline int64_t SampleDraw(SampleJob& job, uint32_t k0, uint32_t k1, int32_t* pic
   // every occupied item is eligible: sampling/used_up.py).
   if (!job.masked) {
     const int32_t write_pos = job.ring ? job.ledger.GetInt(kLWritePos) : -1;
-    return DrawUniformLean(job.tree, p, c, write_pos, k0, k1, b, job.replace, picked);
+    return DrawUniformLean(job.tree, p, c, write_pos, k0, k1, b, job.replace, picked,
+                           *job.pool);
   }
   return DrawUniformRounds(job.tree, p, c, k0, k1, b, job.replace,  // draw.draw_uniform
                            [&](int32_t s) { return job.Eligible(s); }, picked);
