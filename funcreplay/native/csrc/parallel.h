@@ -1,4 +1,4 @@
-// Splitting a batch's rows (their copies; draw.h: the weight descents) between
+// Splitting a batch's rows (their copies; draw.h: the weight and count descents) between
 // the calling thread and XLA's intra-op thread pool. The sample's row copies
 // are cache misses (a random row of a table much larger than the caches per
 // sampled item): one thread keeps only so many in flight, and the XLA program
