@@ -29,7 +29,9 @@ no delete, eviction or reuse limit, like a flashbax buffer; the uniform sample m
 position to its slot by ring arithmetic, BUILD.md finding 23), portable and native.
 ``--replace`` adds the uniform case sampled *with* replacement (``replace=True``, flashbax's
 semantics: no draw without replacement to resolve), portable and native, next to the
-default rows, which sample without.
+default rows, which sample without. ``--index`` adds a portable table that keeps a position
+index (``TableSpec(position_index=True)``: the uniform sample maps a position to its slot
+with one gather, holes allowed; BUILD.md finding 36).
 
 ``--platform`` (default: JAX's default backend) runs the same cases on a GPU or
 TPU: flashbax's prioritised buffer is then built with its ``device=`` for that
@@ -176,7 +178,7 @@ def hlo_counts(fbx):
 
 # The options of ``run`` and their defaults (the absl flags below, and ``bench_core --scan``).
 OPTIONS = dict(rounds=5, target_s=0.15, cases="uniform,prioritized", hlo=False, ring=False,
-               native=True, platform="", reuse=0, replace=False)
+               native=True, platform="", reuse=0, replace=False, index=False)
 
 
 def start(**options):
@@ -244,6 +246,8 @@ def run(a):
     if case == "uniform" and a.reuse:  # Reverb's reuse limit: used-up items freed
       tables[f"reuse{a.reuse}"] = fr.make_table(spec.replace(max_times_sampled=a.reuse),
                                                 native=False)
+    if case == "uniform" and a.index:  # holes allowed, the position index instead of a descent
+      tables["index"] = fr.make_table(spec.replace(position_index=True), native=False)
     replace = set()
     if case == "uniform" and a.replace:  # with replacement, as flashbax samples
       replace = {"replace"} | ({"replace-native"} if "native" in tables else set())
@@ -295,6 +299,8 @@ if __name__ == "__main__":
   flags.DEFINE_bool("ring", OPTIONS["ring"], "also tables without holes (TableSpec(holes=False))")
   flags.DEFINE_bool("replace", OPTIONS["replace"], "also the uniform case sampled with "
                     "replacement (flashbax's semantics), portable and native")
+  flags.DEFINE_bool("index", OPTIONS["index"], "also a portable uniform table with a "
+                    "position index (TableSpec(position_index=True))")
   flags.DEFINE_integer("reuse", OPTIONS["reuse"], "also a portable table with this "
                        "max_times_sampled in the uniform case (0: not run)")
   flags.DEFINE_bool("native", OPTIONS["native"],

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from funcreplay import distributed as shd
-from funcreplay.checkpoint import fields, layout, migrate, record, rows, spec_codec, swap
+from funcreplay.checkpoint import fields, layout, migrate, positions, record, rows, spec_codec, swap
 from funcreplay.checkpoint import format as fmt
 from funcreplay.checkpoint import sidecar as sidecar_lib
 from funcreplay.checkpoint.errors import CheckpointError
@@ -205,10 +205,10 @@ def resolve(path) -> str:
 
 
 # Leaves that checkpoints written before they existed lack. They are derived
-# from the slot columns, so a restore rebuilds them (``_add_derived``): the
-# version index (both or neither), and the heaps' touch stamps.
+# from the slot columns, so a restore rebuilds them (``_add_derived``): the version
+# index (both or neither), the heaps' touch stamps, the position index (checkpoint.positions).
 _VERSION_INDEX = (".version_hist", ".version_bounds")
-_DERIVED = _VERSION_INDEX + (".touched",)
+_DERIVED = _VERSION_INDEX + (".touched", ".position_index")
 
 
 def _check_arrays(manifest, spec: TableSpec, num_shards: Optional[int], where: str, rows_entry):
@@ -270,6 +270,7 @@ def _add_derived(arrays, manifest, spec: TableSpec, num_shards: Optional[int]):
         hist, bounds, by_name[".occupied"], by_name[".version"]))))
   if ".touched" not in by_name:
     by_name[".touched"] = _touched_from_keys(local, by_name[".key"], by_name[".next_key"], lead)
+  by_name.setdefault(".position_index", np.zeros(lead + (2, 0), np.int32))  # saved without
   return [by_name[n] for n, _, _ in expected]
 
 
@@ -364,7 +365,7 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
     if diffs:
       raise CheckpointError(f"{path}: the checkpoint does not fit the given spec:\n  - "
                             + "\n  - ".join(diffs))
-    saved_spec = spec.replace(capacity=saved["capacity"])
+    saved_spec = positions.saved_spec(spec, saved, path)
   if num_shards is not None and spec.capacity % num_shards:
     raise CheckpointError(f"{path}: capacity {spec.capacity} is not a multiple of the "
                           f"checkpoint's {num_shards} shards.")
@@ -386,7 +387,8 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
       state = migrate.grow(saved_spec, spec, state)
     else:  # only the pure layer saves sharded states: no sidecar to move
       state = migrate.grow_sharded(saved_spec, spec, state, num_shards)
-  holes = consistency.holes_error(spec, state)
+  state = positions.fit(spec, state, num_shards)  # rebuilt or dropped for another spec
+  holes = consistency.holes_error(spec, state) or positions.error(spec, state)
   if holes:
     raise CheckpointError(f"{path}: {holes}.")
   if as_numpy:

@@ -39,6 +39,7 @@ class StateRecord:
   touched: Any
   version_hist: Any
   version_bounds: Any
+  position_index: Any
   write_pos: Any
   next_key: Any
   max_priority: Any

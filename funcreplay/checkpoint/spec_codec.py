@@ -119,6 +119,8 @@ def spec_to_json(spec: TableSpec) -> Dict[str, Any]:
     out["ragged"] = [{"leaf": i, **r.to_json()} for i, r in spec.ragged]
   if not spec.holes:  # a promise about later operations: restores check the state instead
     out["holes"] = False
+  if spec.position_index:  # a layout: restores rebuild or drop it (checkpoint.positions)
+    out["position_index"] = True
   if spec.storage != storage.resolve(spec.signature, None, bool(spec.ragged)):
     out["storage"] = spec.storage  # chosen, not picked (a layout only: restores ignore it)
   return out
@@ -147,6 +149,7 @@ def spec_from_json(obj) -> TableSpec:
         default_priority=obj["default_priority"],
         storage=obj.get("storage"),
         holes=obj.get("holes", True),
+        position_index=obj.get("position_index", False),
     )
   except CheckpointError:
     raise

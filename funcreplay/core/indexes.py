@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay.core import inplace, item_info, ordering, powers, staleness, trees
+from funcreplay.core import inplace, item_info, ordering, position_index, powers, staleness, trees
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import TableState
 
@@ -78,6 +78,9 @@ def refresh(spec: TableSpec, state: TableState, slots, valid=None,
     occ_tree = inplace.tie(occ_tree, inplace.never(old_occ))
     occ_tree = occ_tree.at[jnp.array([0, 2 * p])].add(jnp.stack([delta, 0]), mode="drop")
   if "occ_tree" in which:
+    if spec.position_index:  # in step with the count tree
+      state = state.replace(position_index=position_index.sync(
+          state.position_index, safe, valid, occ))
     occ_tree = trees.refresh_count(occ_tree, safe, occ.astype(jnp.int32), valid)
   weight_tree = state.weight_tree
   if spec.prioritized and "weight_tree" in which:
@@ -103,8 +106,10 @@ def refresh(spec: TableSpec, state: TableState, slots, valid=None,
 
 
 def rebuild(spec: TableSpec, state: TableState) -> TableState:
-  """Rebuild every tree, and the version index, from the columns. O(C)."""
+  """Rebuild every tree, the version index and the position index from the columns. O(C)."""
   p = spec.tree_size
+  if spec.position_index:
+    state = state.replace(position_index=position_index.rebuild(state.occupied))
   hist, bounds = staleness.rebuild(spec, state.version_hist, state.version_bounds,
                                    state.occupied, state.version)
   state = state.replace(version_hist=hist, version_bounds=bounds)

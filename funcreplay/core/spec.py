@@ -69,6 +69,14 @@ class TableSpec:
       ``evict_stale`` and those removals raise when traced, and a checkpoint restores
       into such a spec only if its items are a ring window (with those counts). Default
       ``True`` (every operation allowed). A flashbax buffer is a table of this kind.
+    position_index: keep ``TableState.position_index`` (int32[2, C + 1], 8 bytes a slot), an
+      O(1) map from a position among the stored items to its slot, so that the uniform
+      sample finds its slots with one gather instead of descending the occupancy tree
+      in a table that may have holes (``funcreplay.core.position_index``; BUILD.md
+      finding 36). Needs the ``Uniform()`` sampler and ``holes=True`` (without holes
+      the ring arithmetic is O(1) already). Its inserts write two more words a row,
+      its removals swap the last items into the holes. The native CPU kernels do not
+      keep it: such a table runs the portable programs on the CPU too. Default False.
   """
 
   capacity: int
@@ -84,12 +92,13 @@ class TableSpec:
   ragged: Tuple[Tuple[int, Ragged], ...]
   storage: str
   holes: bool
+  position_index: bool
 
   def __init__(self, capacity: int, signature: Any, sampler: Any = None, remover: Any = None,
                max_times_sampled: int = 0, max_staleness: Optional[int] = None,
                rate_limiter: Optional[rl.RateLimiter] = None, metadata=(),
                default_priority: Optional[float] = None, storage: Optional[str] = None,
-               holes: bool = True):
+               holes: bool = True, position_index: bool = False):
     if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity < 2**30:
       raise ValueError(f"TableSpec.capacity must be an int in [1, 2**30), got {capacity!r}.")
     sampler = sel.Uniform() if sampler is None else sampler
@@ -143,6 +152,13 @@ class TableSpec:
           "stay the last ones written; any other sampler's used-up item leaves a hole), got "
           f"sampler={sampler!r}, max_staleness={max_staleness!r}, "
           f"max_times_sampled={max_times_sampled}.")
+    if not isinstance(position_index, bool):
+      raise TypeError(f"TableSpec.position_index must be a bool, got {position_index!r}.")
+    if position_index and not (isinstance(sampler, sel.Uniform) and holes):
+      raise ValueError(
+          "TableSpec(position_index=True) serves the Uniform() sampler of a table with holes "
+          f"(holes=True); got sampler={sampler!r}, holes={holes} (a table without holes "
+          "maps positions to slots by ring arithmetic already).")
     signature, ragged = _split_ragged(signature)
     sig = as_signature(signature)
     storage = storage_lib.resolve(sig, storage, bool(ragged))
@@ -150,7 +166,8 @@ class TableSpec:
                      max_times_sampled=max_times_sampled, max_staleness=max_staleness,
                      rate_limiter=rate_limiter, metadata=metadata,
                      default_priority=None if default_priority is None else float(default_priority),
-                     columns=columns, ragged=ragged, storage=storage, holes=holes).items():
+                     columns=columns, ragged=ragged, storage=storage, holes=holes,
+                     position_index=position_index).items():
       object.__setattr__(self, k, v)
 
   def replace(self, **changes) -> "TableSpec":

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from funcreplay.core import counters as ctr
 from funcreplay.core import item_info as info_words
-from funcreplay.core import staleness, storage
+from funcreplay.core import position_index, staleness, storage
 from funcreplay.core.ledger import COUNTER_SLOTS as _COUNTER_SLOTS
 from funcreplay.core.ledger import COUNTERS, LEDGER_FIELDS, ledger_fields, pack_ledger
 from funcreplay.core.ledger import SLOTS as _SLOTS
@@ -67,6 +67,11 @@ class TableState:
     version_bounds: int32[3] ``[newest version, older items, their lowest
       version]``: the index that counts fresh items without an O(C) pass
       (``funcreplay.core.staleness``; shape [0] without ``max_staleness``).
+    position_index: int32[2, C + 1] (``spec.position_index``; int32[2, 0] otherwise):
+      ``[0, :C]`` the occupied slots by position (the first ``size`` entries),
+      ``[1, :C]`` each slot's position (-1 when free), ``[0, C]`` their count: the
+      uniform sample's O(1) map from a position to a slot
+      (``funcreplay.core.position_index``).
     ledger: uint32[L] the table's scalars and counters in one array (see
       ``LEDGER_FIELDS``), read through the properties ``write_pos``,
       ``next_key``, ``max_priority``, ``limiter_diff`` and ``counters`` and
@@ -85,6 +90,7 @@ class TableState:
   touched: jnp.ndarray
   version_hist: jnp.ndarray
   version_bounds: jnp.ndarray
+  position_index: jnp.ndarray
   ledger: jnp.ndarray
 
   def replace(self, **changes) -> "TableState":
@@ -225,6 +231,7 @@ def init_state(spec: TableSpec) -> TableState:
       touched=jnp.zeros((c + 1 if spec.touch_stamps else 0,), jnp.uint32),
       version_hist=version_hist,
       version_bounds=version_bounds,
+      position_index=position_index.empty(spec),
       ledger=pack_ledger(write_pos=jnp.zeros((), jnp.int32), next_key=jnp.zeros((), jnp.uint32),
                          max_priority=jnp.ones((), jnp.float32),
                          limiter_diff=jnp.zeros((), jnp.int32), counters=empty_counters()),

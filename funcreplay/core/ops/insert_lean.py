@@ -26,7 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from funcreplay.core import indexes, inplace, item_info, powers, staleness, storage, trees
+from funcreplay.core import (
+  indexes,
+  inplace,
+  item_info,
+  position_index,
+  powers,
+  staleness,
+  storage,
+  trees,
+)
 from funcreplay.core import ledger_update as ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
@@ -149,6 +158,11 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
     hist, bounds = staleness.add(spec, hist, bounds, versions, every)
     read = read ^ jnp.sum(old_versions.astype(jnp.uint32), dtype=jnp.uint32)
 
+  index = state.position_index
+  if spec.position_index:
+    # The rows whose victim was free take the next positions; an overwritten item's slot
+    # keeps its own.
+    index = position_index.add(index, slots, ~old_occ)
   put = lambda col, x: _put(col, slots, x, start)  # noqa: E731
   # Each leaf goes from the victim's occupancy to 1: 1 added where the victim was free (a
   # scatter-add with constant values, trees.add_one), without refresh_count's gather of
@@ -198,7 +212,7 @@ def insert(spec: TableSpec, state: TableState, items: Any, *, version=0, priorit
       metadata={k: put(v, _rows(metadata.get(k, 0), b, jnp.int32))
                 for k, v in state.metadata.items()},
       occ_tree=occ_tree, weight_tree=weight_tree,
-      version_hist=hist, version_bounds=bounds,
+      version_hist=hist, version_bounds=bounds, position_index=index,
   )
   adds = {"evicted_capacity": ledger.count(n_evicted), "removed_reuse_sum": reuse_sum,
           "inserts": ledger.count(b)}

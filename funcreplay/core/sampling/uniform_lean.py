@@ -41,7 +41,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from funcreplay.core import bits, fixedpoint, inplace, item_info, staleness, storage, trees
+from funcreplay.core import (
+  bits,
+  fixedpoint,
+  inplace,
+  item_info,
+  position_index,
+  staleness,
+  storage,
+  trees,
+)
 from funcreplay.core import ledger_update as ledger
 from funcreplay.core import rate_limiters as rl
 from funcreplay.core import selectors as sel
@@ -343,8 +352,13 @@ def sample(spec: TableSpec, state: TableState, rng, *, batch_size: int, version=
   # Materialized twice: the positions feed every level of the descent, the
   # slots every gathered element (see ``materialize``).
   x = materialize(jnp.where(valid, x, 0))
-  slot = materialize(ring_slot(spec, state, n, x) if not spec.holes
-                     else kth_occupied(state.occ_tree, x, state.occupied))
+  if not spec.holes:
+    slot = ring_slot(spec, state, n, x)
+  elif spec.position_index:  # one gather (core.position_index)
+    slot = state.position_index[position_index.ORDER, x]
+  else:
+    slot = kth_occupied(state.occ_tree, x, state.occupied)
+  slot = materialize(slot)
   # One division (fixedpoint.divide: exact, ~13 ns an element on XLA:CPU), then broadcast.
   prob = jnp.broadcast_to(fixedpoint.divide(1.0, jnp.maximum(n, 1).astype(jnp.float32)), (b,))
   # The valid rows are the first min(N, B) (without replacement) or all B when N > 0.

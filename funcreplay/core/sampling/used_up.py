@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from funcreplay.core import indexes, staleness, trees
+from funcreplay.core import indexes, position_index, staleness, trees
 from funcreplay.core import ledger_update as ledger
 from funcreplay.core import selectors as sel
 from funcreplay.core.indexes import ALL_TREES
@@ -70,6 +70,9 @@ def free(spec: TableSpec, state: TableState, slot, valid, rows, replace: bool):
     # inserts (free slots from the tree, victims from the remover tree) XLA then copied
     # ``occupied`` twice a step of a sample-then-insert scan, and the refresh's read of
     # the new ``occupied`` does not; on the ring it is the refresh that made it copy.
+    if spec.position_index:  # the non-ring removers' refresh below keeps it
+      state = state.replace(position_index=position_index.drop(
+          state.position_index, slot, gone))
     state = state.replace(occ_tree=trees.add_count(state.occ_tree, slot,
                                                    jnp.full(slot.shape, -1), gone))
     trees_left = ("weight_tree", "remover_tree")
