@@ -21,10 +21,12 @@ from funcreplay.core.spec import TableSpec
 
 def saved_spec(spec: TableSpec, saved: Dict[str, Any], path: str) -> TableSpec:
   """``spec`` with the saved capacity and the saved table's ``position_index`` (the
-  layout of the stored arrays)."""
+  layout of the stored arrays; with it, ``holes=True``: a promise about later operations,
+  which the restore checks against ``spec`` itself, not a layout)."""
+  kept = bool(saved.get("position_index", False))
   try:
-    return spec.replace(capacity=saved["capacity"],
-                        position_index=bool(saved.get("position_index", False)))
+    return spec.replace(capacity=saved["capacity"], position_index=kept,
+                        holes=spec.holes or kept)
   except ValueError as e:
     raise CheckpointError(f"{path}: the checkpoint's table kept a position index that the "
                           f"given spec cannot ({e}).") from None

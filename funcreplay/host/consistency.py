@@ -32,6 +32,8 @@ invariant that does not hold:
 * ``occupied`` of a table without holes (``TableSpec.holes`` False): exactly the
   ``size`` slots written last before ``write_pos``, and with ``max_times_sampled``
   their reuse counts non-increasing from the oldest to the newest (``holes_error``);
+* ``position_index`` (``TableSpec.position_index``): a valid index of ``occupied``
+  (``core.position_index.check``);
 * ``version_hist`` / ``version_bounds`` (``max_staleness``): the histogram
   of the occupied versions in the window ``(hi - V, hi]``, the count of the
   older ones, no item newer than ``hi``, ``old_min`` at most their minimum.
@@ -50,7 +52,7 @@ import jax
 import numpy as np
 
 from funcreplay.core import counters as ctr
-from funcreplay.core import indexes, staleness
+from funcreplay.core import indexes, position_index, staleness
 from funcreplay.core.spec import TableSpec
 
 _sample_weight = jax.jit(indexes.sample_weight, static_argnums=0)
@@ -251,3 +253,7 @@ def check_state(spec: TableSpec, state) -> None:
   why = holes_error(spec, state)
   if why:
     _fail("occupied", why)
+  if spec.position_index:
+    why = position_index.check(state.position_index, occ)
+    if why:
+      _fail("position_index", why)

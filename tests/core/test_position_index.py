@@ -269,6 +269,27 @@ def test_a_damaged_index_is_refused(tmp_path):
     checkpoint.restore(str(tmp_path / "bad"), spec)
 
 
+def test_restores_into_a_spec_without_holes(tmp_path):
+  """The index is a layout: a checkpoint that kept one restores into a table without holes
+  (when its items are a ring window), the index dropped (found by a review)."""
+  spec = fr.TableSpec(CAP, EXAMPLE, position_index=True)
+  t = fr.make_table(spec, native=False)
+  state = t.insert(t.init(), _items(5))
+  checkpoint.save(str(tmp_path / "c"), state, spec)
+  ring = fr.TableSpec(CAP, EXAMPLE, holes=False)
+  got = checkpoint.restore(str(tmp_path / "c"), ring)
+  assert got.spec.holes is False and got.state.position_index.shape == (2, 0)
+  assert int(got.state.size) == 5
+
+
+def test_from_state_checks_the_index():
+  spec, _, state = _history()
+  fr.Table.from_state(spec, state, check=True)
+  bad = state.replace(position_index=state.position_index.at[0, 1].set(1))  # a free slot
+  with pytest.raises(ValueError, match="position_index"):
+    fr.Table.from_state(spec, bad, check=True)
+
+
 def test_host_table_runs_the_portable_programs():
   spec = fr.TableSpec(CAP, EXAMPLE, position_index=True, max_times_sampled=2)
   a, b = fr.Table(spec, seed=3, native=True), fr.Table(spec, seed=3, native=False)
