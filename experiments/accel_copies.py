@@ -47,6 +47,9 @@ SPECS = {
     "Fifo sampler": dict(sampler=fr.Fifo()),
     "MinHeap remover": dict(remover=fr.MinHeap()),
     "Uniform remover": dict(remover=fr.Uniform()),
+    "position index": dict(position_index=True),
+    "position index + reuse": dict(position_index=True, max_times_sampled=4),
+    "position index + Uniform remover": dict(position_index=True, remover=fr.Uniform()),
 }
 # (target, spec, program) -> hot copies found and left (BUILD.md finding 29).
 KNOWN = {

@@ -113,13 +113,17 @@ def programs(fbx, device: str = "gpu"):
   fstate = jax.eval_shape(lambda: buf.init(example()))
   i0 = jax.ShapeDtypeStruct((), jnp.int32)  # the first step's key
   out = {}
-  for label, s in (("", spec), (", holes=False", spec.replace(holes=False))):
+  variants = (("", spec), (", holes=False", spec.replace(holes=False)),
+              (", position_index=True", spec.replace(position_index=True)))
+  for label, s in variants:
     t = fr.make_table(s, native=False)
     ours, theirs = scan_steps.table_uniform_steps(t), scan_steps.flashbax_uniform_steps(buf)
     state = jax.eval_shape(t.init)
     cases = (("insert 16 + uniform sample 256", "scan", xs16),
              ("uniform sample 256 + insert 16", "smp-ins", xs16), ("insert 1", "insert1", xs1))
-    for case, kind, xs in cases[:1] if label else cases:
+    # The other tables: the step with the sample, and the index's one-row insert (it appends).
+    picked = (cases if not label else cases[::2] if s.position_index else cases[:1])
+    for case, kind, xs in picked:
       out[case + label] = ((ours[kind], state, i0, xs), (theirs[kind], fstate, i0, xs))
   pt = fr.make_table(spec.replace(sampler=fr.Prioritized(0.6)), native=False)
   # flashbax picks its sum-tree update by device (a bincount on "gpu" and "tpu"), after

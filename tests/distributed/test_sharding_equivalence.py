@@ -169,3 +169,33 @@ def test_global_sample_weighs_shards_by_totals_below_tiny(mesh, replace):
     np.testing.assert_allclose(np.asarray(b.info.probability)[valid], want, rtol=1e-5)
   p0 = 9 / (9 + N - 1)  # 0.75 for N = 4
   assert abs(from_0 / draws - p0) < 4 * np.sqrt(p0 * (1 - p0) / draws), from_0 / draws
+
+
+def test_sharded_position_index_equals_per_shard_tables(mesh):
+  """``TableSpec(position_index=True)``: every shard keeps its own index, as a plain table
+  driven with that shard's inputs (inserts, deletes, samples with a reuse limit)."""
+  from funcreplay.core import position_index
+
+  spec = fr.TableSpec(4 * 8, ITEM, position_index=True, max_times_sampled=2)
+  t = frs.make_sharded_table(spec, mesh)
+  js, jl = _jit(t), _jit(t.local)
+  st = jax.jit(t.init)()
+  assert st.position_index.shape == (N, 2, 9)
+  refs = [t.local.init() for _ in range(N)]
+  rng = jax.random.PRNGKey(5)
+  for step in range(4):
+    items = tagged_items(N, 5, 100 * step)
+    st = js["insert"](st, items)
+    refs = [jl["insert"](r, jax.tree_util.tree_map(lambda x, s=s: x[s], items))
+            for s, r in enumerate(refs)]
+    rng, k = jax.random.split(rng)
+    st, batch = js["sample"](st, k, batch_size=3)
+    for s in range(N):
+      refs[s], _ = jl["sample"](refs[s], jax.random.fold_in(k, s), batch_size=3)
+    slots, keys = batch.info.slot[:, :1], batch.info.key[:, :1]  # one delete a shard
+    st = js["delete"](st, slots, keys)
+    refs = [jl["delete"](refs[s], slots[s], keys[s]) for s in range(N)]
+  for s in range(N):
+    shard = jax.tree_util.tree_map(lambda x, s=s: x[s], st)
+    leaf_equal(shard, refs[s])
+    assert not position_index.check(shard.position_index, shard.occupied)
