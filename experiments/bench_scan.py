@@ -29,9 +29,10 @@ no delete, eviction or reuse limit, like a flashbax buffer; the uniform sample m
 position to its slot by ring arithmetic, BUILD.md finding 23), portable and native.
 ``--replace`` adds the uniform case sampled *with* replacement (``replace=True``, flashbax's
 semantics: no draw without replacement to resolve), portable and native, next to the
-default rows, which sample without. ``--index`` adds a portable table that keeps a position
-index (``TableSpec(position_index=True)``: the uniform sample maps a position to its slot
-with one gather, holes allowed; BUILD.md finding 36).
+default rows, which sample without. ``--index`` adds tables that keep a position index, portable and
+native (``TableSpec(position_index=True)``: the uniform sample maps a position to its slot
+with one gather, holes allowed; BUILD.md finding 36), and with ``--reuse=N`` one with that
+reuse limit too (its freed items leave holes).
 
 ``--platform`` (default: JAX's default backend) runs the same cases on a GPU or
 TPU: flashbax's prioritised buffer is then built with its ``device=`` for that
@@ -248,6 +249,11 @@ def run(a):
                                                 native=False)
     if case == "uniform" and a.index:  # holes allowed, the position index instead of a descent
       tables["index"] = fr.make_table(spec.replace(position_index=True), native=False)
+      if platform == "cpu" and a.native:
+        tables["index-native"] = fr.make_table(spec.replace(position_index=True), native=True)
+      if a.reuse:  # the reuse limit's freed items leave holes: the index's own case
+        tables[f"index-reuse{a.reuse}"] = fr.make_table(
+            spec.replace(position_index=True, max_times_sampled=a.reuse), native=False)
     replace = set()
     if case == "uniform" and a.replace:  # with replacement, as flashbax samples
       replace = {"replace"} | ({"replace-native"} if "native" in tables else set())
@@ -299,8 +305,8 @@ if __name__ == "__main__":
   flags.DEFINE_bool("ring", OPTIONS["ring"], "also tables without holes (TableSpec(holes=False))")
   flags.DEFINE_bool("replace", OPTIONS["replace"], "also the uniform case sampled with "
                     "replacement (flashbax's semantics), portable and native")
-  flags.DEFINE_bool("index", OPTIONS["index"], "also a portable uniform table with a "
-                    "position index (TableSpec(position_index=True))")
+  flags.DEFINE_bool("index", OPTIONS["index"], "also uniform tables with a position "
+                    "index (TableSpec(position_index=True)), portable and native")
   flags.DEFINE_integer("reuse", OPTIONS["reuse"], "also a portable table with this "
                        "max_times_sampled in the uniform case (0: not run)")
   flags.DEFINE_bool("native", OPTIONS["native"],

@@ -33,9 +33,10 @@ Operations (B rows; no condition, no loop; O(B) words written):
   ``rebuild``: the occupied slots in slot order (O(C)); a restore of a checkpoint
     that did not store the index, ``evict_stale`` and a capacity migration use it.
 
-The native CPU kernels do not keep the index: a spec with it runs the portable
-programs on the CPU too (``native.supports_*``), so every executor gives the same
-batch for the same ``(state, key)``.
+The native CPU kernels keep it by the same rule (``csrc/position_index.h``: the
+insert's appends, ``order[x]`` and the used-up items' swap-removal in the sample, on
+the jitted and the direct host path), so every executor gives the same batch and state
+for the same ``(state, key)`` (tests/native, tests/host/test_direct.py).
 """
 
 from __future__ import annotations

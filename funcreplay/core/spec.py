@@ -75,8 +75,8 @@ class TableSpec:
       in a table that may have holes (``funcreplay.core.position_index``; BUILD.md
       finding 36). Needs the ``Uniform()`` sampler and ``holes=True`` (without holes
       the ring arithmetic is O(1) already). Its inserts write two more words a row,
-      its removals swap the last items into the holes. The native CPU kernels do not
-      keep it: such a table runs the portable programs on the CPU too. Default False.
+      its removals swap the last items into the holes; the native CPU kernels keep it
+      too. Default False.
   """
 
   capacity: int

@@ -49,7 +49,7 @@ from funcreplay.core import packing, powers
 from funcreplay.core.spec import TableSpec
 from funcreplay.native import build
 
-_ABI_VERSION = 8  # direct.cc's kAbiVersion
+_ABI_VERSION = 9  # direct.cc's kAbiVersion
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -64,7 +64,7 @@ class SampleArgs(ctypes.Structure):
       "min_valid", "max_staleness", "min_size", "has_min_diff", "q", "q_min", "tree_nodes",
       "hist_size", "ledger_words", "out_bytes", "ring")] + [(name, _PTR) for name in (
       "row_bytes", "src_stride", "packed", "ledger_layout", "key", "occupied", "item_info",
-      "occ_tree", "weight_tree", "ledger", "hist", "bounds", "out", "data", "flags")]
+      "occ_tree", "weight_tree", "ledger", "hist", "bounds", "pindex", "out", "data", "flags")]
 
 
 class UpdateArgs(ctypes.Structure):
@@ -214,6 +214,7 @@ class DirectSampler:
     a.ledger = u.ledger = _pointer(state.ledger)
     a.hist = _pointer(state.version_hist)
     a.bounds = _pointer(state.version_bounds)
+    a.pindex = _pointer(state.position_index)  # null when off (an empty array)
     leaves = jax.tree_util.tree_leaves(state.data)
     for d, at in enumerate(self._field_at):
       self._data_ptrs[d] = _pointer(leaves[0 if self.spec.packed_rows else d]) + int(at)

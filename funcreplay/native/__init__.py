@@ -79,10 +79,8 @@ def _byte_rows(spec: TableSpec) -> bool:
 def supports_insert(spec: TableSpec) -> bool:
   """True if ``insert`` on ``spec`` has a native kernel (the ``Fifo`` ring remover,
   whole-byte item dtypes, any sampler but a heap: the kernels do not keep the
-  heaps' ``TableState.touched`` stamps, nor ``TableState.position_index``: those
-  specs run the portable op)."""
-  return (sel.is_ring(spec.remover) and _byte_rows(spec) and not spec.touch_stamps
-          and not spec.position_index)
+  heaps' ``TableState.touched`` stamps, so those specs run the portable op)."""
+  return sel.is_ring(spec.remover) and _byte_rows(spec) and not spec.touch_stamps
 
 
 def supports_update_priorities(spec: TableSpec) -> bool:
@@ -94,11 +92,9 @@ def supports_update_priorities(spec: TableSpec) -> bool:
 def supports_sample(spec: TableSpec, stratified: bool) -> bool:
   """True if ``sample`` on ``spec`` has a native kernel: a ``Uniform`` or
   ``Prioritized`` sampler, a remover without an order tree (``Fifo``,
-  ``Uniform``), not ``stratified``, whole-byte item dtypes, no position index (the
-  kernel descends the occupancy tree; ``core.position_index``)."""
+  ``Uniform``), not ``stratified``, whole-byte item dtypes."""
   return (isinstance(spec.sampler, (sel.Uniform, sel.Prioritized))
-          and not spec.needs_remover_tree and not stratified and _byte_rows(spec)
-          and not spec.position_index)
+          and not spec.needs_remover_tree and not stratified and _byte_rows(spec))
 
 
 def ledger_attr(spec: TableSpec) -> np.ndarray:

@@ -46,7 +46,7 @@ def insert(spec: TableSpec, state: TableState, items, mask, versions, prios, met
   rows = [mask, versions, prios, weights, jnp.asarray(n_bad, jnp.uint32)]
   tail_rows = [*[meta_rows[k] for k in meta_names], *item_leaves]
   fixed_state = [state.occupied, state.item_info, state.occ_tree, state.weight_tree,
-                 state.ledger, state.version_hist, state.version_bounds]
+                 state.ledger, state.version_hist, state.version_bounds, state.position_index]
   state_ops = [*fixed_state, *[state.metadata[k] for k in meta_names], *data_leaves]
   state_at = len(rows) + len(tail_rows)
   out_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_ops]
@@ -56,10 +56,11 @@ def insert(spec: TableSpec, state: TableState, items, mask, versions, prios, met
                                n_meta=len(meta_names), n_data=len(data_leaves),
                                ledger=native.ledger_attr(spec)), state_ops)
   n_fixed = len(fixed_state)
-  occupied, item_info, occ_tree, weight_tree, ledger, hist, bounds = res[:n_fixed]
+  occupied, item_info, occ_tree, weight_tree, ledger, hist, bounds, pindex = res[:n_fixed]
   k = n_fixed + len(meta_names)
   metadata = dict(zip(meta_names, res[n_fixed:k]))
   data = jax.tree_util.tree_unflatten(data_def, res[k:])
   return state.replace(
       data=data, occupied=occupied, item_info=item_info, metadata=metadata, occ_tree=occ_tree,
-      weight_tree=weight_tree, ledger=ledger, version_hist=hist, version_bounds=bounds)
+      weight_tree=weight_tree, ledger=ledger, version_hist=hist, version_bounds=bounds,
+      position_index=pindex)

@@ -22,7 +22,8 @@ from funcreplay.core import ops
 from funcreplay.core.spec import TableSpec
 from funcreplay.core.state import Sample, SampleInfo, TableState
 
-_STATE_COLUMNS = 7  # occupied, item_info, occ_tree, weight_tree, ledger, version_hist/bounds
+_STATE_COLUMNS = 8  # occupied, item_info, occ_tree, weight_tree, ledger, version_hist/bounds,
+#                    position_index
 
 
 def _typed(rng) -> bool:
@@ -63,9 +64,10 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
                       jnp.int32(1) if enabled is None else jnp.asarray(enabled).astype(jnp.int32)])
   data_leaves, data_def = jax.tree_util.tree_flatten(state.data)
   # item_info whole (uint32[C, 4]): the kernel reads the sampled rows and counts
-  # times_sampled in place (kStateColumns in csrc/ffi_binding.h: seven columns).
+  # times_sampled in place (kStateColumns in csrc/ffi_binding.h: eight columns).
   state_ops = [state.occupied, state.item_info, state.occ_tree, state.weight_tree,
-               state.ledger, state.version_hist, state.version_bounds, *data_leaves]
+               state.ledger, state.version_hist, state.version_bounds, state.position_index,
+               *data_leaves]
   key_words = _key_words(rng)
   operands = [key_words, params, where if where is not None else jnp.zeros((0,), bool),
               *state_ops]
@@ -90,7 +92,8 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
              ledger=native.ledger_attr(spec),
              fields=field_words(spec)), state_ops)
   n_state = len(state_ops)
-  occupied, item_info, occ_tree, weight_tree, ledger, hist, bounds = res[:_STATE_COLUMNS]
+  occupied, item_info, occ_tree, weight_tree, ledger, hist, bounds, pindex = (
+      res[:_STATE_COLUMNS])
   new_data = res[_STATE_COLUMNS:n_state]
   if layout is not None:
     out, n_valid, num_eligible, next_words = res[n_state:]
@@ -107,7 +110,7 @@ def sample(spec: TableSpec, state: TableState, rng, batch_size: int, ver, where,
   state = state.replace(
       data=jax.tree_util.tree_unflatten(data_def, new_data), occupied=occupied,
       item_info=item_info, occ_tree=occ_tree, weight_tree=weight_tree, ledger=ledger,
-      version_hist=hist, version_bounds=bounds)
+      version_hist=hist, version_bounds=bounds, position_index=pindex)
   next_key = next_words
   if _typed(rng):
     next_key = jax.random.wrap_key_data(next_key, impl=jax.random.key_impl(rng))

@@ -5,8 +5,8 @@ in row order; a removal's r-th hole in row order takes its r-th filler in positi
 order); every operation keeps the index valid (hypothesis over specs and operation
 sequences); the uniform sample takes ``order[x]`` for its positions ``x`` and is uniform
 over a table with holes (chi-square); checkpoints keep the index (same key, same batch)
-and rebuild or drop it for a spec that differs; the host ``Table`` runs the portable
-programs for such a spec; the lean programs stay lean (no conditional, loop or copy).
+and rebuild or drop it for a spec that differs; the host ``Table``'s native kernels keep
+it as the portable programs do; the lean programs stay lean (no conditional, loop or copy).
 """
 
 import itertools
@@ -290,7 +290,10 @@ def test_from_state_checks_the_index():
     fr.Table.from_state(spec, bad, check=True)
 
 
-def test_host_table_runs_the_portable_programs():
+def test_host_table_native_and_portable_agree():
+  """The kernels keep the index by the same rule (csrc/position_index.h): same batches,
+  same state (the native suites compare more sequences, tests/native)."""
+  helpers.require_native_kernels()
   spec = fr.TableSpec(CAP, EXAMPLE, position_index=True, max_times_sampled=2)
   a, b = fr.Table(spec, seed=3, native=True), fr.Table(spec, seed=3, native=False)
   for tab in (a, b):
@@ -299,7 +302,8 @@ def test_host_table_runs_the_portable_programs():
     tab.delete(info.slot, info.key)
     tab.insert(_items(4, 6))
   got, want = a.sample(4), b.sample(4)
-  helpers.assert_bit_identical(got, want, "native requested vs portable")
+  helpers.assert_bit_identical(got, want, "native vs portable")
+  helpers.assert_bit_identical(a.snapshot(), b.snapshot(), "native vs portable state")
   _assert_valid(a.snapshot())
 
 

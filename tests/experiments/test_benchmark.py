@@ -187,6 +187,8 @@ def _scan_case_checks():
     assert re.search(r" scan +reuse8 .* ratio +[0-9.]+x", out), out
     assert re.search(r" scan +noholes .* ratio +[0-9.]+x", out), out
     assert re.search(r" scan +replace .* ratio +[0-9.]+x", out), out
+    assert re.search(r" scan +index .* ratio +[0-9.]+x", out), out
+    assert re.search(r" scan +index-reuse8 .* ratio +[0-9.]+x", out), out
 
   def prioritized(out):
     for kind in ["prio", "prio8", "prio32"]:
@@ -224,5 +226,5 @@ def test_bench_scan_runs_every_case_at_a_tiny_size(cases, monkeypatch, capsys):
   monkeypatch.setattr(bench_scan_queue, "CAPACITY", 1 << 10)
   monkeypatch.setattr(bench_scan_ordered, "CAPACITY", 1 << 10)
   bench_scan.start(rounds=1, target_s=0.001, hlo=cases == "uniform", native=False, reuse=8,
-                   ring=True, replace=True, cases=cases)
+                   ring=True, replace=True, index=True, cases=cases)
   _scan_case_checks()[cases](capsys.readouterr().out)

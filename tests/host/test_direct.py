@@ -51,6 +51,9 @@ SPECS = {
     "rate limited": dict(sampler=fr.Uniform(),
                          rate_limiter=fr.SampleToInsertRatio(2.0, 4, 6.0)),
     "uniform, no holes": dict(sampler=fr.Uniform(), holes=False),  # the ring map
+    # The position index: order[x], used-up items swap-removed (position_index.h).
+    "position index + reuse": dict(sampler=fr.Uniform(), position_index=True,
+                                   max_times_sampled=2),
 }
 
 
@@ -113,7 +116,7 @@ def test_direct_matches_jitted_path(name, ops):
 
 @pytest.mark.parametrize("name", ["uniform, Uniform remover", "staleness + reuse",
                                   "prioritized + staleness", "rate limited",
-                                  "uniform, no holes"])
+                                  "uniform, no holes", "position index + reuse"])
 @settings(max_examples=6)
 @given(ops=OPS)
 def test_direct_matches_portable_program(name, ops):

@@ -99,6 +99,10 @@ SPECS = [
     dict(sampler=fr.Prioritized(1.0), max_times_sampled=2, max_staleness=1),
     dict(sampler=fr.Prioritized(0.5), remover=fr.Uniform(), max_staleness=3),
     dict(sampler=fr.Uniform(), holes=False),  # the ring map (uniform_lean.ring_slot)
+    # The position index (core/position_index.py, csrc/position_index.h): order[x], the
+    # inserts' appends, the used-up items' swap-removal; deletes through the portable op.
+    dict(sampler=fr.Uniform(), position_index=True, max_times_sampled=2, max_staleness=2),
+    dict(sampler=fr.Uniform(), remover=fr.Uniform(), position_index=True),
 ]
 _PROGRAMS = {}
 

@@ -35,6 +35,7 @@ def _table(spec, use_native=True):
 INSERT_SPECS = [  # every sampler, with and without staleness / metadata
     fr.TableSpec(16, ITEM),
     fr.TableSpec(16, ITEM, max_staleness=2, metadata=("task", "status")),
+    fr.TableSpec(16, ITEM, position_index=True, max_staleness=2),  # appends (position_index.h)
     fr.TableSpec(16, ITEM, sampler=fr.Prioritized(0.6), max_staleness=1 << 30,
                  max_times_sampled=2),
     fr.TableSpec(13, ITEM, sampler=fr.MinHeap(), max_staleness=0),

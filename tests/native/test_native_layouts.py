@@ -38,7 +38,7 @@ def _run(target, operands, out_like, aliases, **attrs):
 
 def _state_columns(state):
   return [state.occupied, state.item_info, state.occ_tree, state.weight_tree, state.ledger,
-          state.version_hist, state.version_bounds]
+          state.version_hist, state.version_bounds, state.position_index]
 
 
 def test_sample_kernel_refuses_a_reordered_operand():
@@ -69,6 +69,16 @@ def test_sample_kernel_refuses_a_reordered_operand():
   swapped = [state_ops[1], state_ops[0], *state_ops[2:]]
   with pytest.raises(Exception, match=r"bad operands at: 5, 6\)[\s\S]*Wrong buffer"):
     call([key, params, where], swapped)
+
+
+def test_kernels_name_a_position_index_of_the_wrong_shape():
+  """position_index is int32[2, C + 1] or int32[2, 0] (typed: dtype and rank; the kernels
+  its element count, naming it)."""
+  rows, state, tail_rows, tail_state = _insert_layout()
+  bad = jnp.full((2, 16), -1, jnp.int32)  # [2, C]: one column short (the count)
+  with pytest.raises(Exception, match=r"funcreplay_fifo_insert: operand position_index has 32 "
+                                      r"elements, expected 34"):
+    _insert(rows, [*state[:7], bad], tail_rows, tail_state)
 
 
 def test_kernels_name_an_item_info_of_the_wrong_shape():
@@ -119,8 +129,8 @@ def test_insert_kernel_runs_the_real_layout():
   out = _insert(rows, state, tail_rows, tail_state)
   np.testing.assert_array_equal(out[0][:B], True)  # occupied: the rows went in
   np.testing.assert_array_equal(out[1][:B, 0], np.arange(B))  # item_info: the keys
-  np.testing.assert_array_equal(out[7][:B], np.arange(B))  # the metadata column
-  np.testing.assert_array_equal(out[8][:B], 1.0)  # the item leaf
+  np.testing.assert_array_equal(out[8][:B], np.arange(B))  # the metadata column
+  np.testing.assert_array_equal(out[9][:B], 1.0)  # the item leaf
 
 
 def test_insert_kernel_refuses_reordered_fixed_operands():
@@ -156,7 +166,7 @@ def test_insert_kernel_names_a_tail_or_count_that_does_not_fit():
   short = [rows[0], rows[1][:2], *rows[2:]]
   with pytest.raises(Exception, match="operand version has 2 elements, expected 3"):
     _insert(short, state, tail_rows, tail_state)
-  with pytest.raises(Exception, match=r"expected n_meta \+ n_data = 2 rows, the seven state"):
+  with pytest.raises(Exception, match=r"expected n_meta \+ n_data = 2 rows, the eight state"):
     _insert(rows, state, tail_rows[:1], tail_state)
 
 

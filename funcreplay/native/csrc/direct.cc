@@ -78,6 +78,7 @@ namespace {
   X(uint32_t*, ledger)         /* uint32[L] */                                  \
   X(int32_t*, hist)            /* int32[V] or null */                           \
   X(int32_t*, bounds)          /* int32[3] or null */                           \
+  X(int32_t*, pindex)          /* int32[2, C + 1] or null (position_index.h) */ \
   X(char*, out)                /* uint8[out_bytes] */                           \
   X(const char* const*, data)  /* n_data pointers: each field of slot 0 */     \
   X(int32_t*, flags)           /* int32[3] out: ok, limiter ok, eligible count */
@@ -106,7 +107,8 @@ struct DirectUpdate { FR_UPDATE_FIELDS(FR_DECLARE) };
 #undef FR_DECLARE
 
 // 7: the four per-slot columns became one item_info pointer (funcreplay/core/item_info.py).
-constexpr int64_t kAbiVersion = 8;
+// 9: the position index (TableSpec.position_index).
+constexpr int64_t kAbiVersion = 9;
 
 // "name:offset:size;..." then "sizeof:N".
 #define FR_DESCRIBE(type, name)                                                  \
@@ -192,6 +194,7 @@ extern "C" int funcreplay_direct_sample(const DirectSample* cfg_ptr) {
   job.index.v = cfg.hist_size;
   job.index.hist = cfg.hist;
   job.index.bounds = cfg.bounds;
+  job.pindex.Bind(cfg.pindex, c);
   job.src.resize(n_data);
   job.src_stride.resize(n_data);
   job.row_bytes.resize(n_data);

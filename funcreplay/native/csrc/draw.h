@@ -143,12 +143,19 @@ inline void AddCount(int32_t* tree, int64_t p, int64_t s, int32_t delta) {
 // partial Fisher-Yates; with: i.i.d.), each the k-th occupied slot, or with
 // write_pos >= 0 (a table without holes) the x-th oldest, (write_pos - size + x)
 // mod c (uniform_lean.ring_slot). Returns the number of valid rows (a prefix of picked).
+// ``order``: the position index's order row (TableSpec.position_index: slot =
+// order[x], uniform_lean.sample), or null.
 inline int64_t DrawUniformLean(const int32_t* tree, int64_t p, int64_t c, int32_t write_pos,
                                uint32_t k0, uint32_t k1, int64_t b, bool replace,
-                               int32_t* picked, const RowPool& pool = kSerialRows) {
+                               int32_t* picked, const RowPool& pool = kSerialRows,
+                               const int32_t* order = nullptr) {
   const int64_t size = tree[1];
   std::vector<int64_t> x(b);
   const int64_t n = Positions(k0, k1, 0, size, b, replace, b, x.data());
+  if (order != nullptr) {
+    for (int64_t i = 0; i < n; ++i) picked[i] = order[x[i]];
+    return n;
+  }
   if (write_pos < 0) {
     KthOccupied(tree, p, x.data(), n, picked, pool);
     return n;

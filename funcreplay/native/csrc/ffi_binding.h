@@ -25,17 +25,20 @@ using U32_0 = ffi::Buffer<ffi::U32, 0>;
 using U32_1 = ffi::Buffer<ffi::U32, 1>;
 using U32_2 = ffi::Buffer<ffi::U32, 2>;  // item_info
 using S32_1 = ffi::Buffer<ffi::S32, 1>;
+using S32_2 = ffi::Buffer<ffi::S32, 2>;  // position_index
 using F32_1 = ffi::Buffer<ffi::F32, 1>;
 template <ffi::DataType T>
 using Out1 = ffi::ResultBuffer<T, 1>;
 using OutInfo = ffi::ResultBuffer<ffi::U32, 2>;  // item_info uint32[C, 4]
+using OutIndex = ffi::ResultBuffer<ffi::S32, 2>;  // position_index int32[2, C + 1] or [2, 0]
 
-// The seven state columns of the sample and insert kernels, in TableState's
+// The eight state columns of the sample and insert kernels, in TableState's
 // order (native/sample.py, native/insert.py): occupied bool[C], item_info
 // uint32[C, 4] (key, version, times sampled and priority of each slot:
 // item_info.h), occ_tree int32[2P], weight_tree float32[2P] or [0] (not
 // prioritized), ledger uint32[L], version_hist int32[V], version_bounds
-// int32[3] (V > 0) or [0]; typed results. Each is also an operand, aliased to
+// int32[3] (V > 0) or [0], position_index int32[2, C + 1] or [2, 0]
+// (position_index.h); typed results. Each is also an operand, aliased to
 // its result (the kernels write through the results), but for an empty one
 // (native.state_aliases: XLA would copy the constant it folds it into), whose
 // result is an empty buffer nothing reads or writes. Those operands stay in
@@ -44,11 +47,12 @@ using OutInfo = ffi::ResultBuffer<ffi::U32, 2>;  // item_info uint32[C, 4]
 // result checks its operand too, and typing the operand again would only add
 // XLA's decoding to every call (~10 ns an operand, measured: an insert of one
 // row costs ~0.5 us in all).
-constexpr size_t kStateColumns = 7;
+constexpr size_t kStateColumns = 8;
 template <typename B>
 inline auto StateRets(B&& binding) {
   return std::move(binding).template Ret<Bool1>().template Ret<U32_2>().template Ret<S32_1>()
-      .template Ret<F32_1>().template Ret<U32_1>().template Ret<S32_1>().template Ret<S32_1>();
+      .template Ret<F32_1>().template Ret<U32_1>().template Ret<S32_1>().template Ret<S32_1>()
+      .template Ret<S32_2>();
 }
 
 // "" if ``info`` is item_info's uint32[C, kInfoWidth] (the binding checked the

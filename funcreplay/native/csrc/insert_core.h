@@ -15,6 +15,7 @@
 
 #include "common.h"
 #include "item_info.h"
+#include "position_index.h"
 
 namespace funcreplay {
 
@@ -41,6 +42,7 @@ struct InsertJob {
   float* wtree = nullptr;
   Ledger ledger;
   VersionIndex index;
+  PositionIndex pindex;        // TableSpec.position_index (off: order null)
   std::vector<int32_t*> meta;  // int32[C] per metadata column
   std::vector<char*> data;     // [C, ...] per item leaf
   std::vector<size_t> row_bytes;
@@ -86,6 +88,7 @@ inline void RunFifoInsert(InsertJob& job) {
     } else {
       occupied[s] = true;
       for (int64_t node = p + s; node >= 1; node >>= 1) ++tree[node];
+      if (job.pindex.on()) job.pindex.Append(static_cast<int32_t>(s));  // position_index.add
     }
     job.info.set_row(s, key++, job.in_version[i], 0, job.in_priority[i]);
     largest = std::max(largest, job.in_priority[i]);

@@ -43,13 +43,13 @@ namespace {
 
 // Operands of Sample, in native/sample.py's order: key uint32[2] (threefry
 // key data), params int32[2] [version, enabled], where bool[C] or bool[0],
-// then the state (aliased): the seven state columns, the data leaves [C, ...].
+// then the state (aliased): the eight state columns, the data leaves [C, ...].
 // Results: the state (StateRets, then the data leaves), then the batch: the
 // data rows and kInfoColumns info columns, or one packed uint8 buffer; then
 // kTailResults scalars: the valid rows int32[], num_eligible int32[] and the
 // next key uint32[2]. XLA's "bad operands at" positions: 0 the thread pool
 // (a context, parallel.h), 1 key, 2 params, 3 where, 4 the state operands,
-// 5-11 the state results, 12 the rest.
+// 5-12 the state results, 13 the rest.
 constexpr size_t kInfoColumns = 7;  // valid, slot, key, probability, priority, times, version
 constexpr size_t kTailResults = 3;
 constexpr const char* kSample = "funcreplay_sample";
@@ -57,7 +57,8 @@ constexpr const char* kSample = "funcreplay_sample";
 ffi::Error SampleImpl(ffi::ThreadPool pool, U32_1 key, S32_1 params, Bool1 where, ffi::RemainingArgs state_args,
                       Out1<ffi::PRED> occupied, OutInfo item_info, Out1<ffi::S32> occ_tree,
                       Out1<ffi::F32> weight_tree, Out1<ffi::U32> ledger, Out1<ffi::S32> hist,
-                      Out1<ffi::S32> bounds, ffi::RemainingRets rets, int64_t batch_size,
+                      Out1<ffi::S32> bounds, OutIndex pindex, ffi::RemainingRets rets,
+                      int64_t batch_size,
                       int64_t capacity, bool replace, int64_t max_times_sampled,
                       bool has_version, int64_t max_staleness, bool split_key, bool ring,
                       ffi::Span<const int64_t> packed, ffi::Span<const int64_t> ledger_layout,
@@ -65,7 +66,7 @@ ffi::Error SampleImpl(ffi::ThreadPool pool, U32_1 key, S32_1 params, Bool1 where
   const int64_t b = batch_size;
   const int64_t c = capacity;
   if (state_args.size() < kStateColumns) {
-    return BadOperand(kSample, "expected the seven state columns after key, params and where");
+    return BadOperand(kSample, "expected the eight state columns after key, params and where");
   }
   const size_t n_data = state_args.size() - kStateColumns;
   // Item fields in the batch: the data arrays, or the leaves packed in one row (fields).
@@ -83,7 +84,8 @@ ffi::Error SampleImpl(ffi::ThreadPool pool, U32_1 key, S32_1 params, Bool1 where
   std::string bad = FirstMismatch(
       {{"key", key.element_count(), 2}, {"params", params.element_count(), 2},
        {"where", where.element_count(), where.element_count() ? c : 0},
-       {"occupied", occupied->element_count(), c}});
+       {"occupied", occupied->element_count(), c},
+       {"position_index", pindex->element_count(), pindex->element_count() ? 2 * (c + 1) : 0}});
   if (bad.empty()) bad = CheckItemInfo(*item_info, c);
   if (!bad.empty()) return BadOperand(kSample, bad);
 
@@ -116,6 +118,7 @@ ffi::Error SampleImpl(ffi::ThreadPool pool, U32_1 key, S32_1 params, Bool1 where
     job.index.hist = hist->typed_data();
     job.index.bounds = bounds->typed_data();
   }
+  job.pindex.Bind(pindex->element_count() ? pindex->typed_data() : nullptr, c);
   std::vector<std::pair<const char*, size_t>> leaves(n_data);  // [C, ...] state arrays
   for (size_t d = 0; d < n_data; ++d) {
     auto leaf = rets.get<ffi::AnyBuffer>(d).value();
@@ -168,17 +171,17 @@ ffi::Error SampleImpl(ffi::ThreadPool pool, U32_1 key, S32_1 params, Bool1 where
 // uint32[] (invalid priorities among the rows, counted here); then the rest:
 // the variable tail of n_meta + n_data rows (metadata rows int32[B], item
 // leaves [B, ...]), then the state (aliased): the seven state columns, the
-// metadata columns int32[C] and data leaves [C, ...]. Results: the seven state
+// metadata columns int32[C] and data leaves [C, ...]. Results: the eight state
 // columns (StateRets), then the metadata columns and data leaves.
 // XLA's "bad operands at" positions: 0 mask, 1 version, 2 priority, 3 weight,
-// 4 n_bad, 5 the rest, 6-12 the state results.
+// 4 n_bad, 5 the rest, 6-13 the state results.
 constexpr const char* kInsert = "funcreplay_fifo_insert";
 
 ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1 in_weight,
                           U32_0 n_bad, ffi::RemainingArgs rest, Out1<ffi::PRED> occupied,
                           OutInfo item_info, Out1<ffi::S32> occ_tree, Out1<ffi::F32> weight_tree,
                           Out1<ffi::U32> ledger, Out1<ffi::S32> hist, Out1<ffi::S32> bounds,
-                          ffi::RemainingRets columns, int64_t capacity, int64_t n_meta,
+                          OutIndex pindex, ffi::RemainingRets columns, int64_t capacity, int64_t n_meta,
                           int64_t n_data, ffi::Span<const int64_t> ledger_layout) {
   const int64_t c = capacity;
   const int64_t b = static_cast<int64_t>(mask.element_count());
@@ -186,7 +189,7 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
   if (n_meta < 0 || n_data < 0 || rest.size() != 2 * n_tail + kStateColumns ||
       columns.size() != n_tail) {
     return BadOperand(kInsert, "expected n_meta + n_data = " + std::to_string(n_tail) +
-                                   " rows, the seven state columns and " +
+                                   " rows, the eight state columns and " +
                                    std::to_string(n_tail) + " more after n_bad, and " +
                                    std::to_string(n_tail) + " results after the state "
                                    "columns; got " + std::to_string(rest.size()) +
@@ -201,7 +204,8 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
        {"weight", in_weight.element_count(), prioritized ? b : 0},
        {"occupied column", occupied->element_count(), c},
        {"weight_tree", weight_tree->element_count(), prioritized ? n_tree : 0},
-       {"version_bounds", bounds->element_count(), v > 0 ? 3 : 0}});
+       {"version_bounds", bounds->element_count(), v > 0 ? 3 : 0},
+       {"position_index", pindex->element_count(), pindex->element_count() ? 2 * (c + 1) : 0}});
   if (bad.empty()) bad = CheckItemInfo(*item_info, c);
   if (!bad.empty()) return BadOperand(kInsert, bad);
   if (n_tree < 2 * c || n_tree % 2 != 0 || (v & (v - 1)) != 0) {
@@ -232,6 +236,7 @@ ffi::Error FifoInsertImpl(Bool1 mask, S32_1 in_version, F32_1 in_priority, F32_1
     job.index.hist = hist->typed_data();
     job.index.bounds = bounds->typed_data();
   }
+  job.pindex.Bind(pindex->element_count() ? pindex->typed_data() : nullptr, c);
   job.in_meta.reserve(n_meta);
   job.meta.reserve(n_meta);
   job.in_data.reserve(n_data);

@@ -20,6 +20,7 @@
 #include "fixedpoint.h"
 #include "item_info.h"
 #include "parallel.h"
+#include "position_index.h"
 #include "random.h"
 #include "rows.h"
 
@@ -82,6 +83,7 @@ struct SampleJob {
   float* wtree = nullptr;     // float32[2P] weight tree, or null (uniform)
   Ledger ledger;
   VersionIndex index;
+  PositionIndex pindex;  // TableSpec.position_index (off: order null)
   // Where the rows are copied (parallel.h); the calling thread alone by default.
   const RowPool* pool = &kSerialRows;
   // The item fields (signature leaves): each at ``src[d] + slot * src_stride[d]``,
@@ -194,7 +196,7 @@ inline int64_t SampleDraw(SampleJob& job, uint32_t k0, uint32_t k1, int32_t* pic
   if (!job.masked) {
     const int32_t write_pos = job.ring ? job.ledger.GetInt(kLWritePos) : -1;
     return DrawUniformLean(job.tree, p, c, write_pos, k0, k1, b, job.replace, picked,
-                           *job.pool);
+                           *job.pool, job.pindex.order);
   }
   return DrawUniformRounds(job.tree, p, c, k0, k1, b, job.replace,  // draw.draw_uniform
                            [&](int32_t s) { return job.Eligible(s); }, picked);
@@ -320,6 +322,7 @@ inline int64_t RunSample(SampleJob& job) {
       reuse_sum += static_cast<uint64_t>(static_cast<uint32_t>(times));
     }
     if (job.wtree != nullptr) RecomputeSumMany(job.wtree, std::move(freed));
+    if (job.pindex.on()) job.pindex.Drop(picked.data(), exhausted.data(), n);
     job.ledger.Count(kLEvictedReuse, n_freed);
     job.ledger.Count(kLRemovedReuse, reuse_sum);
     job.index.Shift(job.out_version, exhausted.data(), b, -1);
