@@ -44,6 +44,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from funcreplay.core import inplace
 from funcreplay.core.spec import TableSpec
 
 ORDER, WHERE = 0, 1
@@ -112,7 +113,11 @@ def sync(index, slots, valid, occupied_now):
   operation) at ``slots[valid]`` (distinct): the slots freed are dropped, then the slots
   newly occupied added."""
   safe = jnp.where(valid, slots, 0)
-  indexed = index[WHERE, safe] >= 0
+  # Read once off the CPU: XLA:GPU re-fused these reads (and the occupancy the caller
+  # read) into the index's scatters, not ordered before the writes, and copied the index
+  # and ``occupied`` twice a row in the per-row insert loop of a full table with a
+  # non-ring remover (experiments/accel_copies.py). On the CPU the same program.
+  indexed, occupied_now = inplace.once_off_cpu((index[WHERE, safe] >= 0, occupied_now))
   index = drop(index, safe, valid & indexed & ~occupied_now)
   return add(index, safe, valid & ~indexed & occupied_now)
 
