@@ -214,7 +214,13 @@ class DirectSampler:
     a.ledger = u.ledger = _pointer(state.ledger)
     a.hist = _pointer(state.version_hist)
     a.bounds = _pointer(state.version_bounds)
-    a.pindex = _pointer(state.position_index)  # null when off (an empty array)
+    # The kernel reads and writes int32[2, C + 1] through this pointer (null when off):
+    # a state of another shape must never reach it (the jitted kernel counts its elements).
+    want = (2, self.spec.capacity + 1) if self.spec.position_index else (2, 0)
+    if tuple(state.position_index.shape) != want:
+      raise ValueError(f"direct sample: the state's position_index is "
+                       f"{list(state.position_index.shape)}, the spec needs {list(want)}.")
+    a.pindex = _pointer(state.position_index)
     leaves = jax.tree_util.tree_leaves(state.data)
     for d, at in enumerate(self._field_at):
       self._data_ptrs[d] = _pointer(leaves[0 if self.spec.packed_rows else d]) + int(at)

@@ -1,5 +1,5 @@
 // Binding helpers of the FFI handlers (kernels.cc): the typed buffers of the
-// calling layout, the seven state columns as typed results, and
+// calling layout, the eight state columns as typed results, and
 // the checks of what XLA's binding cannot type (element counts, the
 // variable-length tails), each naming the operand that does not fit.
 #ifndef FUNCREPLAY_NATIVE_FFI_BINDING_H_

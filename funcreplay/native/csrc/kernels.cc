@@ -170,7 +170,7 @@ ffi::Error SampleImpl(ffi::ThreadPool pool, U32_1 key, S32_1 params, Bool1 where
 // (priority**alpha for a prioritized sampler, else float32[0]), n_bad
 // uint32[] (invalid priorities among the rows, counted here); then the rest:
 // the variable tail of n_meta + n_data rows (metadata rows int32[B], item
-// leaves [B, ...]), then the state (aliased): the seven state columns, the
+// leaves [B, ...]), then the state (aliased): the eight state columns, the
 // metadata columns int32[C] and data leaves [C, ...]. Results: the eight state
 // columns (StateRets), then the metadata columns and data leaves.
 // XLA's "bad operands at" positions: 0 mask, 1 version, 2 priority, 3 weight,
