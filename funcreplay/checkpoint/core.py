@@ -391,11 +391,9 @@ def _restore_once(path, spec, allow_capacity_growth, mesh, axis, as_numpy, verif
   holes = consistency.holes_error(spec, state) or positions.error(spec, state)
   if holes:
     raise CheckpointError(f"{path}: {holes}.")
-  if as_numpy:
-    pass
-  elif num_shards is not None:
+  if num_shards is not None and not as_numpy:
     state = shd.shard_state(state, mesh, axis)
-  else:
+  elif not as_numpy:
     state = jax.device_put(state)
   return Restored(state=state, spec=spec, host=host, extra=extra, path=path,
                   num_shards=num_shards, sidecar=sidecar_lib.read(path, manifest, side, verify),

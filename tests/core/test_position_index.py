@@ -25,15 +25,11 @@ from funcreplay.core import hlo
 from funcreplay.core import position_index as pi
 from funcreplay.core.sampling import uniform_lean
 from tests import helpers
+from tests.core.common import SMALL_ITEM, small_items
 
-EXAMPLE = {"x": np.zeros((3,), np.float32), "a": np.int32(0)}
+EXAMPLE = SMALL_ITEM
 CAP = 8
-
-
-def _items(b, start=0):
-  v = np.arange(start, start + b)
-  return {"x": jnp.asarray(np.stack([v, v + 0.5, -v], 1).astype(np.float32)),
-          "a": jnp.asarray(v.astype(np.int32))}
+_items = small_items
 
 
 def _assert_valid(state, what=""):
